@@ -1,0 +1,183 @@
+"""DecodeBatch: the block-diffusion state of the running requests, shared by every engine.
+
+Owns, per running request (row ``i`` = KV slot ``i``), the current block's tokens and mask bits on
+the model's device, and implements one denoising iteration's bookkeeping (DESIGN §5):
+
+1. :meth:`inputs` gives the forward's ``input_ids`` / ``positions`` / per-row start positions.
+   A row whose block has no masks left is in its *commit forward*: the same B-token forward on the
+   clean block, whose KV the engine keeps as the committed prefix.
+2. :meth:`apply` takes the final hidden states, computes logits only at masked positions, samples,
+   applies the unmask policy and returns the rows that finished (EOS / max_new_tokens) or
+   committed, so the engine can free or advance them.
+
+Engines differ only in how the forward attends (dense cache, sparse pools, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from herald.diffusion.sampler import sample_tokens
+from herald.diffusion.unmask import min_accept_count, select_unmask
+from herald.engine.request import Request, RequestStatus
+from herald.models.base import BlockDiffusionLM
+
+
+class DecodeBatch:
+    """Rows of running requests. ``requests[i]`` owns row i of every tensor (and KV slot i)."""
+
+    def __init__(self, block_size: int, mask_token_id: int, eos_token_ids: tuple[int, ...],
+                 device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.eos_token_ids = set(eos_token_ids)
+        self.device = torch.device(device)
+        self.requests: list[Request] = []
+        self.tokens = torch.empty(0, block_size, dtype=torch.long, device=self.device)
+        self.masked = torch.empty(0, block_size, dtype=torch.bool, device=self.device)
+        self._arange = torch.arange(block_size, device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # -- membership -----------------------------------------------------------------------------
+    def _fresh_block(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block at req.block_start: prompt tokens where the prompt reaches, masks elsewhere."""
+        b = self.block_size
+        toks = torch.full((b,), self.mask_token_id, dtype=torch.long)
+        tail = req.prompt_ids[req.block_start : req.block_start + b]
+        if tail:
+            toks[: len(tail)] = torch.tensor(tail, dtype=torch.long)
+        masked = torch.zeros(b, dtype=torch.bool)
+        masked[len(tail) :] = True
+        return toks.to(self.device), masked.to(self.device)
+
+    def add(self, req: Request) -> int:
+        """Append ``req`` as the last row; returns its row (= KV slot)."""
+        toks, masked = self._fresh_block(req)
+        self.tokens = torch.cat([self.tokens, toks[None]])
+        self.masked = torch.cat([self.masked, masked[None]])
+        self.requests.append(req)
+        req.status = RequestStatus.RUNNING
+        req.steps_in_block = 0
+        if not req.params.greedy and req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(req.params.seed if req.params.seed is not None else 0)
+        return len(self.requests) - 1
+
+    def remove(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Drop ``rows``; the last rows move into the holes so rows stay ``0..n-1``.
+
+        Returns the (src, dst) row moves the engine must mirror in its KV slots, in order.
+        """
+        moves: list[tuple[int, int]] = []
+        for row in sorted(rows, reverse=True):
+            last = len(self.requests) - 1
+            if row != last:
+                self.tokens[row] = self.tokens[last]
+                self.masked[row] = self.masked[last]
+                self.requests[row] = self.requests[last]
+                moves.append((last, row))
+            self.requests.pop()
+            self.tokens = self.tokens[:last]
+            self.masked = self.masked[:last]
+        return moves
+
+    # -- one iteration --------------------------------------------------------------------------
+    def starts(self) -> list[int]:
+        return [r.block_start for r in self.requests]
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` [bs, B] int64 and ``positions`` [bs, B] int64 on the device."""
+        st = torch.tensor(self.starts(), dtype=torch.long, device=self.device)
+        return self.tokens, st[:, None] + self._arange[None, :]
+
+    def apply(self, model: BlockDiffusionLM, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Sample at the masked positions and accept tokens; advance committed rows.
+
+        Args:
+            model: for ``compute_logits``.
+            hidden: [bs, B, hidden_size], final-normed hidden states of this forward.
+
+        Returns:
+            (finished_rows, committed_rows). Finished requests have their status and output set;
+            committed rows' requests moved to the next block (its KV must now count as prefix).
+        """
+        bs, b = self.tokens.shape
+        masked = self.masked
+        num_masked = masked.sum(-1)
+        num_masked_host = num_masked.tolist()  # NOTE: the one host sync per step.
+        committing = [i for i, n in enumerate(num_masked_host) if n == 0]
+        if any(n > 0 for n in num_masked_host):
+            self._denoise(model, hidden, masked, num_masked)
+        finished: list[int] = []
+        now_clean = (~self.masked.any(-1)).tolist()
+        for i, req in enumerate(self.requests):
+            if num_masked_host[i] > 0:
+                req.steps_in_block += 1
+                if now_clean[i] and self._complete_block(req, i):
+                    finished.append(i)
+        for i in committing:
+            req = self.requests[i]
+            req.block_start += b
+            req.steps_in_block = 0
+            toks, m = self._fresh_block(req)
+            self.tokens[i] = toks
+            self.masked[i] = m
+        return finished, committing
+
+    def _denoise(self, model: BlockDiffusionLM, hidden: torch.Tensor, masked: torch.Tensor,
+                 num_masked: torch.Tensor) -> None:
+        bs, b = masked.shape
+        rows, cols = masked.nonzero(as_tuple=True)
+        logits = model.compute_logits(hidden[rows, cols])  # [N, V] float32, N = masked positions
+        cand = torch.zeros(bs, b, dtype=torch.long, device=self.device)
+        conf = torch.zeros(bs, b, dtype=torch.float32, device=self.device)
+        greedy_rows = [i for i, r in enumerate(self.requests) if r.params.greedy]
+        if len(greedy_rows) == bs:
+            tok, cf = sample_tokens(logits, self.requests[0].params, self.mask_token_id)
+            cand[rows, cols] = tok
+            conf[rows, cols] = cf
+        else:
+            # Sampling draws from each request's own generator, in row order of its positions.
+            rows_host = rows.tolist()
+            start = 0
+            for i, req in enumerate(self.requests):
+                n = rows_host.count(i)
+                if n == 0:
+                    continue
+                sl = slice(start, start + n)
+                tok, cf = sample_tokens(logits[sl], req.params, self.mask_token_id, req.generator)
+                cand[rows[sl], cols[sl]] = tok
+                conf[rows[sl], cols[sl]] = cf
+                start += n
+        steps_done = torch.tensor([r.steps_in_block for r in self.requests], device=self.device)
+        fixed = torch.tensor([r.params.num_denoise_steps or 0 for r in self.requests],
+                             device=self.device)
+        thr = torch.tensor([r.params.threshold for r in self.requests], dtype=torch.float32,
+                           device=self.device)
+        k_min = min_accept_count(num_masked, steps_done, fixed)
+        accept = select_unmask(conf, masked, thr, k_min, fixed == 0)
+        self.tokens = torch.where(accept, cand, self.tokens)
+        self.masked = masked & ~accept
+
+    def _complete_block(self, req: Request, row: int) -> bool:
+        """Record a completed block; returns True when the request is finished."""
+        b = self.block_size
+        req.steps_per_block.append(req.steps_in_block)
+        block = self.tokens[row].tolist()
+        skip = max(0, req.prompt_len - req.block_start)  # prompt tail inside the first block
+        prev = len(req.output_ids)
+        req.output_ids.extend(block[skip:])
+        limit = req.params.max_new_tokens
+        if not req.params.ignore_eos:
+            for j in range(prev, min(len(req.output_ids), limit)):
+                if req.output_ids[j] in self.eos_token_ids:
+                    del req.output_ids[j:]
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    return True
+        if len(req.output_ids) >= limit or req.block_start + b >= req.layout.total_len:
+            del req.output_ids[limit:]
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,159 @@
+"""Dense engine: the full KV cache on one device, exact attention (DESIGN §4 "dense").
+
+The strong baseline every other mode is compared against, and the reference for the budget-1.0
+invariant. One :meth:`step` is one batched B-token forward over every running request (denoising
+steps and commit forwards share it) followed by the block-diffusion bookkeeping of
+:class:`~herald.diffusion.batch.DecodeBatch`. New requests are prefilled (whole prompt blocks, in
+chunks) when they are admitted, between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from herald.config import SamplingParams
+from herald.diffusion.batch import DecodeBatch
+from herald.engine.request import Request
+from herald.kv.dense_cache import DenseAttention, DenseKVCache
+from herald.models.base import BlockDiffusionLM
+from herald.models.config import ModelConfig
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine's life, all in tokens / seconds."""
+
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_forwards: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    step_batch_sizes: list[int] = field(default_factory=list)
+
+
+class DenseEngine:
+    """Block-diffusion decoding over a dense KV cache.
+
+    Args:
+        model: a :class:`BlockDiffusionLM` already on ``device``.
+        config: the model's config (block size, mask id, eos ids come from here).
+        max_batch_size: running requests at most (KV slots).
+        max_seq_len: tokens per request at most (prompt + max_new_tokens, rounded up to blocks).
+        prefill_chunk_tokens: prompt tokens per prefill forward (rounded down to whole blocks).
+
+    Raises:
+        ValueError from :meth:`add_request` when a request cannot fit (``max_seq_len``).
+    """
+
+    def __init__(
+        self,
+        model: BlockDiffusionLM,
+        config: ModelConfig,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        prefill_chunk_tokens: int = 4096,
+    ) -> None:
+        self.model = model
+        self.config = config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        b = config.block_size
+        self.max_seq_len = -(-max_seq_len // b) * b
+        self.cache = DenseKVCache(config, max_batch_size, self.max_seq_len, self.device, self.dtype)
+        self.attn = DenseAttention(self.cache)
+        self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)
+        self.waiting: deque[Request] = deque()
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
+        self.stats = EngineStats()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a prompt. Raises ValueError if it can never fit or holds out-of-vocab ids."""
+        req = Request(list(prompt_ids), params, self.config.block_size)
+        if req.layout.total_len > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"needs {req.layout.total_len} tokens, more than max_seq_len={self.max_seq_len}"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
+        self.waiting.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or len(self.batch) > 0
+
+    # -- prefill --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self, req: Request, slot: int) -> None:
+        """Forward the whole prompt blocks of ``req`` into KV slot ``slot``, in chunks."""
+        n = req.layout.num_prefill_tokens
+        ids = torch.tensor(req.prompt_ids[:n], dtype=torch.long, device=self.device)
+        for s in range(0, n, self.prefill_chunk):
+            e = min(n, s + self.prefill_chunk)
+            self.attn.prepare([s], e - s, block_size=self.config.block_size, slot_offset=slot)
+            pos = torch.arange(s, e, device=self.device)[None]
+            # Prefill needs no logits: the final norm is wasted work but negligible.
+            self.model(ids[None, s:e], pos, self.attn)
+            self.stats.num_forwards += 1
+        self.stats.num_prefill_tokens += n
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.batch) < self.max_batch_size:
+            req = self.waiting.popleft()
+            t0 = time.perf_counter()
+            self._prefill(req, len(self.batch))
+            self._sync()
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            self.batch.add(req)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- decode ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Admit waiting requests, run one batched forward, return the requests that finished."""
+        self._admit()
+        if not len(self.batch):
+            return []
+        t0 = time.perf_counter()
+        input_ids, positions = self.batch.inputs()
+        self.attn.prepare(self.batch.starts(), self.config.block_size)
+        hidden = self.model(input_ids, positions, self.attn)
+        finished_rows, _ = self.batch.apply(self.model, hidden)
+        finished = [self.batch.requests[i] for i in finished_rows]
+        for src, dst in self.batch.remove(finished_rows):
+            # NOTE: same stream as the forward that wrote the source slot, so the copy is ordered
+            # after it; the moved request's committed length is its block_start.
+            self.cache.move_slot(src, dst, self.batch.requests[dst].block_start)
+        self.stats.num_forwards += 1
+        self.stats.step_batch_sizes.append(len(input_ids))
+        self.stats.num_generated_tokens += sum(len(r.output_ids) for r in finished)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return finished
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        on_step: Callable[[DenseEngine], None] | None = None,
+    ) -> list[Request]:
+        """Decode every prompt to completion; returns the requests in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished():
+            self.step()
+            if on_step is not None:
+                on_step(self)
+        self._sync()
+        return reqs

@@ -1,0 +1,68 @@
+"""Request: one prompt's decoding state and results (vLLM's vocabulary)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from herald.config import SamplingParams
+from herald.diffusion.block import BlockLayout
+
+_ids = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # an EOS token was generated
+    FINISHED_LENGTH = "finished_length"  # max_new_tokens reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+@dataclass
+class Request:
+    """A prompt plus its decoding state.
+
+    ``output_ids`` are the generated tokens (the prompt is not included; a stopping EOS is not
+    included either). ``steps_per_block`` records the denoising steps each completed block took.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    steps_per_block: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # Decode position: absolute start of the current block; KV of [0, block_start) is committed.
+    block_start: int = 0
+    steps_in_block: int = 0
+
+    def __post_init__(self) -> None:
+        self.params.validate()
+        self.layout = BlockLayout(len(self.prompt_ids), self.block_size, self.params.max_new_tokens)
+        self.block_start = self.layout.first_block_start
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self.status)
+
+    @property
+    def num_denoise_steps(self) -> int:
+        return sum(self.steps_per_block)
