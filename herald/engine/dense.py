@@ -34,6 +34,8 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     step_batch_sizes: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    num_nonfinite_steps: int = 0
 
 
 class DenseEngine:
@@ -45,6 +47,7 @@ class DenseEngine:
         max_batch_size: running requests at most (KV slots).
         max_seq_len: tokens per request at most (prompt + max_new_tokens, rounded up to blocks).
         prefill_chunk_tokens: prompt tokens per prefill forward (rounded down to whole blocks).
+        check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
 
     Raises:
         ValueError from :meth:`add_request` when a request cannot fit (``max_seq_len``).
@@ -58,6 +61,7 @@ class DenseEngine:
         max_batch_size: int,
         max_seq_len: int,
         prefill_chunk_tokens: int = 4096,
+        check_finite: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -72,6 +76,7 @@ class DenseEngine:
         self.max_batch_size = max_batch_size
         self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
         self.stats = EngineStats()
+        self.check_finite = check_finite
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -130,6 +135,8 @@ class DenseEngine:
         input_ids, positions = self.batch.inputs()
         self.attn.prepare(self.batch.starts(), self.config.block_size)
         hidden = self.model(input_ids, positions, self.attn)
+        if self.check_finite and not bool(hidden.isfinite().all()):
+            self.stats.num_nonfinite_steps += 1
         finished_rows, _ = self.batch.apply(self.model, hidden)
         finished = [self.batch.requests[i] for i in finished_rows]
         for src, dst in self.batch.remove(finished_rows):
@@ -139,7 +146,9 @@ class DenseEngine:
         self.stats.num_forwards += 1
         self.stats.step_batch_sizes.append(len(input_ids))
         self.stats.num_generated_tokens += sum(len(r.output_ids) for r in finished)
-        self.stats.decode_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.step_seconds.append(dt)
+        self.stats.decode_seconds += dt
         return finished
 
     def generate(

@@ -1,0 +1,59 @@
+"""Shared helpers for benchmark scripts: machine facts, result files, GPU memory caps."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory, GPU, software versions: recorded with every result."""
+    info: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_total_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = p.name
+        info["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def command_line() -> str:
+    return "python -m " + " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]])
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def cap_gpu_memory(gb: float | None) -> None:
+    """Emulate a smaller GPU: limit this process's CUDA caching allocator to ``gb`` GB (1e9 B)."""
+    if gb is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 1e9 / total))

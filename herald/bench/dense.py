@@ -1,0 +1,133 @@
+"""Dense decode throughput at the paper's Dense batch sizes (issue 2 acceptance, DESIGN §6).
+
+Full-size architectures with random bf16 weights built directly on the GPU (speed does not depend
+on weight values). Each case prefills ``batch`` prompts of ``context`` random tokens, then decodes
+with B = 32 (the model's block size is overridden to 32 for SDAR, as in the paper), fixed T = 20
+denoising steps per block, EOS ignored. Decode throughput = generated tokens / decode wall time
+(prefill excluded, reported separately). Steady-state throughput uses the median forward time:
+``batch * B / ((T + 1) * median_forward)`` (T denoising forwards + 1 commit forward per block).
+
+Run on the GPU machine: ``python -m herald.bench.dense --out results/dense``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.bench.common import cap_gpu_memory, command_line, machine_info, write_json
+from herald.config import SamplingParams
+from herald.engine.dense import DenseEngine
+
+# (preset, context tokens, batch) from the paper's Table II Dense column, and its tokens/s (H100).
+PAPER_DENSE = [
+    ("llada2-mini", 16384, 32, 1864.0),
+    ("llada2-mini", 32768, 16, 1168.0),
+    ("sdar-8b-chat", 16384, 15, 754.0),
+    ("sdar-8b-chat", 32768, 8, 458.0),
+]
+
+
+def run_case(model: Any, config: Any, context: int, batch: int, new_tokens: int, steps: int,
+             seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    hi = min(config.vocab_size, config.mask_token_id, *config.eos_token_ids)
+    prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
+    engine = DenseEngine(model, config, max_batch_size=batch, max_seq_len=context + new_tokens,
+                         check_finite=True)
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(max_new_tokens=new_tokens, num_denoise_steps=steps, ignore_eos=True)
+    t0 = time.perf_counter()
+    reqs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    gen = sum(len(r.output_ids) for r in reqs)
+    fwd = st.step_seconds
+    med = statistics.median(fwd)
+    b = config.block_size
+    out = {
+        "context": context, "batch": batch, "new_tokens_per_request": new_tokens,
+        "block_size": b, "num_denoise_steps": steps,
+        "generated_tokens": gen, "decode_seconds": st.decode_seconds,
+        "decode_tokens_per_s": gen / st.decode_seconds,
+        "steady_tokens_per_s": batch * b / ((steps + 1) * med),
+        "median_forward_ms": med * 1e3, "min_forward_ms": min(fwd) * 1e3,
+        "num_forwards": len(fwd), "prefill_seconds": st.prefill_seconds,
+        "prefill_tokens": st.num_prefill_tokens,
+        "prefill_tokens_per_s": st.num_prefill_tokens / max(st.prefill_seconds, 1e-9),
+        "wall_seconds": wall, "nonfinite_forwards": st.num_nonfinite_steps,
+        "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "kv_cache_gib": engine.cache.num_bytes / 2**30,
+        "steps_per_block": reqs[0].steps_per_block,
+    }
+    del engine, reqs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from herald.models.loader import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("results/dense"))
+    ap.add_argument("--new-tokens", type=int, default=96, help="generated tokens per request")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--gpu-memory-gb", type=float, default=None, help="cap GPU memory (GB)")
+    ap.add_argument("--only", default=None, help="comma list of presets to run")
+    ap.add_argument("--contexts", default=None, help="comma list of contexts to run")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    cap_gpu_memory(args.gpu_memory_gb)
+    results: list[dict[str, Any]] = []
+    cases = [c for c in PAPER_DENSE if args.only is None or c[0] in args.only.split(",")]
+    if args.contexts:
+        cases = [c for c in cases if str(c[1]) in args.contexts.split(",")]
+    for preset in dict.fromkeys(c[0] for c in cases):
+        t0 = time.perf_counter()
+        model, config, _ = load_model(preset, device="cuda", dtype=torch.bfloat16,
+                                      random_init_seed=0, block_size=args.block_size)
+        print(f"[{preset}] built random model in {time.perf_counter() - t0:.1f} s", flush=True)
+        for _, ctx, bs, paper in (c for c in cases if c[0] == preset):
+            try:
+                r = run_case(model, config, ctx, bs, args.new_tokens, args.steps, seed=ctx + bs)
+                r["status"] = "ok"
+            except torch.OutOfMemoryError as e:
+                r = {"context": ctx, "batch": bs, "status": f"oom: {str(e)[:200]}"}
+                torch.cuda.empty_cache()
+            r.update(preset=preset, paper_h100_tokens_per_s=paper)
+            if r["status"] == "ok":
+                r["ratio_vs_paper"] = r["decode_tokens_per_s"] / paper
+            results.append(r)
+            print(f"[{preset} {ctx} bs{bs}] {r.get('decode_tokens_per_s', 0):.0f} tok/s "
+                  f"(paper {paper:.0f}), median fwd {r.get('median_forward_ms', 0):.1f} ms, "
+                  f"peak {r.get('peak_gpu_memory_gib', 0):.1f} GiB, {r['status']}", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    payload = {"command": command_line(), "machine": machine_info(),
+               "gpu_memory_cap_gb": args.gpu_memory_gb, "results": results}
+    name = "dense" if args.gpu_memory_gb is None else f"dense_cap{int(args.gpu_memory_gb)}gb"
+    write_json(args.out / f"{name}.json", payload)
+    print("\npreset        context  batch  tok/s  paper  ratio  fwd_ms  peakGiB")
+    for r in results:
+        if r["status"] == "ok":
+            print(f"{r['preset']:<13} {r['context']:>7} {r['batch']:>6} "
+                  f"{r['decode_tokens_per_s']:>6.0f} {r['paper_h100_tokens_per_s']:>6.0f} "
+                  f"{r['ratio_vs_paper']:>6.2f} {r['median_forward_ms']:>7.1f} "
+                  f"{r['peak_gpu_memory_gib']:>8.1f}")
+        else:
+            print(f"{r['preset']:<13} {r['context']:>7} {r['batch']:>6}  {r['status']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
