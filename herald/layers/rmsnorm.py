@@ -1,0 +1,50 @@
+"""RMSNorm as the HF Qwen3 / BailingMoeV2 reference computes it (model spec §1.2, §2.2).
+
+The normalisation runs in float32 and the result is cast back to the activation dtype *before* the
+multiply by the weight: ``w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``. Used for the
+pre-attention / post-attention norms, the final norm, and the per-head QK-norm (over ``head_dim``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise the last dim of ``x`` and scale by ``weight``.
+
+    Args:
+        x: [..., dim], any float dtype.
+        weight: [dim], normally the same dtype as ``x``.
+        eps: added to the mean square before the rsqrt.
+
+    Returns:
+        [..., dim] in ``x.dtype`` (type promotion with ``weight`` applies, as in HF).
+    """
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """``weight`` [dim] (initialised to ones); see :func:`rms_norm`."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
