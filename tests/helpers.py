@@ -1,0 +1,57 @@
+"""Test helpers shared across the test tree.
+
+:class:`ExactAttention` is a tiny, obviously-correct :class:`herald.models.base.AttentionBackend`:
+no KV cache, plain SDPA over the given q/k/v with either full bidirectional attention or the
+block-causal mask of model spec §1.3 / §2.3 (bidirectional inside a block, causal across blocks;
+blocks aligned to index 0 of the given sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def block_causal_mask(
+    seq_len: int, block_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[L, L] bool, True = may attend: ``(i // block) >= (j // block)``."""
+    blk = torch.arange(seq_len, device=device) // block_size
+    return blk[:, None] >= blk[None, :]
+
+
+def exact_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [bs, L, H, D], k/v [bs, S, Hkv, D], mask [L, S] bool or None -> [bs, L, H, D].
+
+    Computed in float32 with GQA by repeating KV heads; scale ``D ** -0.5``.
+    """
+    group = q.shape[2] // k.shape[2]
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+class ExactAttention:
+    """No-cache attention backend: full (``block_size=None``) or block-causal.
+
+    Records each layer's q/k/v in ``calls`` when ``record=True``.
+    """
+
+    def __init__(self, block_size: int | None = None, *, record: bool = False) -> None:
+        self.block_size = block_size
+        self.record = record
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        if self.record:
+            self.calls.append((layer_id, q, k, v))
+        mask = None
+        if self.block_size is not None:
+            mask = block_causal_mask(q.shape[1], self.block_size, q.device)
+        return exact_attention(q, k, v, mask)
