@@ -2,10 +2,10 @@
 
 A model owns its weights and the per-token math (embedding, QKV projection, QK-norm, RoPE,
 o_proj, FFN, final norm, LM head). It never owns attention over the KV cache: each decoder layer
-hands its post-RoPE ``q, k, v`` to an :class:`AttentionBackend` supplied by the engine, which decides
-what the queries see (a dense cache, a sparse pool, a no-cache block-causal mask, ...). This split is
-what lets one model definition serve the dense engine, the offloading engines and the reference
-decoders unchanged.
+hands its post-RoPE ``q, k, v`` to an :class:`AttentionBackend` supplied by the engine, which
+decides what the queries see (a dense cache, a sparse pool, a no-cache block-causal mask, ...).
+This split lets one model definition serve the dense engine, the offloading engines and the
+reference decoders unchanged.
 
 Engines that need to interleave work between layers (the HERALD retrieval stream runs the CPU
 selection kernel between a layer's QKV and its FFN) call :meth:`DecoderLayer.qkv` and
@@ -36,7 +36,8 @@ class AttentionBackend(Protocol):
 
         Returns:
             [bs, L, num_heads, head_dim], same dtype and device as ``q``. Softmax scale is
-            ``head_dim ** -0.5``; query head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``.
+            ``head_dim ** -0.5``; query head ``h`` uses KV head
+            ``h // (num_heads // num_kv_heads)``.
         """
         ...
 
@@ -83,7 +84,7 @@ class DecoderLayer(nn.Module):
 
 
 class BlockDiffusionLM(nn.Module):
-    """A block dLLM: embedding, ``layers`` (a ModuleList of :class:`DecoderLayer`), final norm, head.
+    """A block dLLM: embedding, ``layers`` (ModuleList of :class:`DecoderLayer`), final norm, head.
 
     Logits at position ``i`` predict the token at position ``i`` (no shift), for both architectures
     (model spec §1.2, §2.4).

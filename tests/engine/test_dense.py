@@ -1,0 +1,130 @@
+"""Dense engine vs the no-cache reference, batching, stop rules (issue 2 acceptance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from herald.config import SamplingParams
+from herald.engine.dense import DenseEngine
+from herald.engine.reference import reference_generate
+from herald.models.registry import build_model, get_preset
+
+PRESETS = ["tiny-sdar", "tiny-llada2"]
+
+
+def _model(preset: str, **overrides):
+    config = get_preset(preset, **overrides)
+    return build_model(config, device="cpu", dtype=torch.float32, seed=1), config
+
+
+def _prompts(config, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hi = min(256, config.mask_token_id)
+    return [torch.randint(0, hi, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(model, config, bs=4, seq=512):
+    return DenseEngine(model, config, max_batch_size=bs, max_seq_len=seq, prefill_chunk_tokens=64)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=70, ignore_eos=True),
+        SamplingParams(max_new_tokens=64, num_denoise_steps=5, ignore_eos=True),
+        SamplingParams(
+            max_new_tokens=40, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True
+        ),
+    ],
+    ids=["threshold", "fixed-steps", "sampled"],
+)
+def test_cached_equals_no_cache_reference(preset, params):
+    model, config = _model(preset)
+    # Prompt lengths: a tail inside the first block, an exact block multiple, a long multi-chunk.
+    for prompt in _prompts(config, [45, 64, 150]):
+        ref, ref_steps = reference_generate(model, config, prompt, params)
+        req = _engine(model, config, bs=1).generate([prompt], params)[0]
+        assert req.output_ids == ref
+        assert req.steps_per_block == ref_steps
+        assert len(ref) == params.max_new_tokens
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_batch_equals_single(preset):
+    model, config = _model(preset)
+    prompts = _prompts(config, [33, 100, 7, 64, 129], seed=3)
+    params = [
+        SamplingParams(max_new_tokens=60, ignore_eos=True),
+        SamplingParams(max_new_tokens=33, ignore_eos=True),
+        SamplingParams(max_new_tokens=90, num_denoise_steps=8, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=64, threshold=0.5, ignore_eos=True),
+    ]
+    # Batch of 3 slots for 5 requests: requests join as others leave (slot compaction).
+    batched = _engine(model, config, bs=3).generate(prompts, params)
+    for prompt, sp, got in zip(prompts, params, batched, strict=True):
+        alone = _engine(model, config, bs=1).generate([prompt], sp)[0]
+        assert got.output_ids == alone.output_ids
+        assert got.steps_per_block == alone.steps_per_block
+
+
+def test_eos_truncates_inside_block_and_stops():
+    model, config = _model("tiny-sdar")
+    prompt = _prompts(config, [40])[0]
+    free = (
+        _engine(model, config, bs=1)
+        .generate([prompt], SamplingParams(max_new_tokens=96, ignore_eos=True))[0]
+        .output_ids
+    )
+    # Declare a token from the middle of the second generated block to be EOS.
+    j = 40
+    eos = free[j]
+    first = free.index(eos)
+    cfg = config.replace(eos_token_ids=(eos,))
+    req = _engine(model, cfg, bs=1).generate([prompt], SamplingParams(max_new_tokens=96))[0]
+    assert req.output_ids == free[:first]
+    assert req.finish_reason == "stop"
+    ref, _ = reference_generate(model, cfg, prompt, SamplingParams(max_new_tokens=96))
+    assert ref == req.output_ids
+
+
+def test_max_new_tokens_truncates_and_reports_length():
+    model, config = _model("tiny-llada2")
+    prompt = _prompts(config, [50])[0]
+    req = _engine(model, config, bs=1).generate(
+        [prompt], SamplingParams(max_new_tokens=17, ignore_eos=True)
+    )[0]
+    assert len(req.output_ids) == 17 and req.finish_reason == "length"
+    # 50-token prompt: 32 prefilled; the first block holds 18 prompt-tail tokens + 14 masks, so
+    # 17 tokens need a second block, whose output is cut after 3 tokens.
+    assert len(req.steps_per_block) == 2
+    assert req.layout.prompt_tail_len == 18
+
+
+def test_every_step_accepts_at_least_one_and_fixed_steps_exact():
+    model, config = _model("tiny-sdar")
+    prompt = _prompts(config, [64])[0]
+    req = _engine(model, config, bs=1).generate(
+        [prompt], SamplingParams(max_new_tokens=96, num_denoise_steps=20, ignore_eos=True)
+    )[0]
+    assert req.steps_per_block == [20, 20, 20]
+    req = _engine(model, config, bs=1).generate(
+        [prompt], SamplingParams(max_new_tokens=64, threshold=1.0, ignore_eos=True)
+    )[0]
+    # Nothing is ever > 1.0, so exactly one token per step: B steps per block.
+    assert req.steps_per_block == [32, 32]
+
+
+def test_request_errors():
+    model, config = _model("tiny-sdar")
+    eng = _engine(model, config, bs=1, seq=128)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.add_request(list(range(100)), SamplingParams(max_new_tokens=64))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request([1, 2, config.vocab_size + 3], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.add_request([1, 2], SamplingParams(max_new_tokens=0))
