@@ -155,10 +155,20 @@ class DenseAttention:
         if self._block_size is None:
             # Fold GQA into the query length: [bs, Hkv, G*L, D]; all queries of a request see the
             # same keys, so this is exact.
-            qf = q.view(bs, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * length, d)
+            qf = (
+                q.view(bs, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * length, d)
+            )
             o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
             return o.view(bs, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(bs, length, hq, d)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
-        )
+        if q.is_cuda:
+            # Prefill chunk: the block-causal mask rules out the flash / cuDNN GQA paths and the
+            # memory-efficient kernel refuses GQA (device.md), so expand K/V to the query heads
+            # (a transient [Hq, S, D] per layer) rather than fall back to the math kernel.
+            keys = keys.repeat_interleave(g, dim=1)
+            values = values.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+            )
         return o.transpose(1, 2)

@@ -128,3 +128,18 @@ def test_request_errors():
         eng.add_request([1, 2, config.vocab_size + 3], SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.add_request([1, 2], SamplingParams(max_new_tokens=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cached_equals_reference_on_gpu(preset):
+    config = get_preset(preset)
+    model = build_model(config, device="cuda", dtype=torch.float32, seed=1)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    prompts = _prompts(config, [45, 64, 150, 9])
+    batched = DenseEngine(
+        model, config, max_batch_size=4, max_seq_len=512, prefill_chunk_tokens=64
+    ).generate(prompts, params)
+    for prompt, got in zip(prompts, batched, strict=True):
+        ref, _ = reference_generate(model, config, prompt, params)
+        assert got.output_ids == ref
