@@ -21,21 +21,40 @@ DEFAULT_MODEL = "tiny-sdar"
 
 def _dtype(name: str) -> torch.dtype:
     try:
-        return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[name]
+        return {
+            "bf16": torch.bfloat16,
+            "bfloat16": torch.bfloat16,
+            "fp16": torch.float16,
+            "float16": torch.float16,
+            "fp32": torch.float32,
+            "float32": torch.float32,
+        }[name]
     except KeyError:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}: use bf16, fp16 or fp32") from None
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {name!r}: use bf16, fp16 or fp32"
+        ) from None
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory (HF format) or preset name (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (HF format) or preset name (default: %(default)s)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", type=_dtype, default=None,
-                   help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="diffusion block size B (default: from config.json or the architecture)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="diffusion block size B (default: from config.json or the architecture)",
+    )
     p.add_argument("--mask-token-id", type=int, default=None, help="override the mask token id")
 
 
@@ -49,20 +68,33 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--threshold", type=float, default=0.95,
-                   help="accept masked positions with confidence > threshold (default 0.95)")
-    g.add_argument("--steps", type=int, default=None,
-                   help="fixed-steps mode: T denoising steps per block (overrides --threshold)")
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=0.95,
+        help="accept masked positions with confidence > threshold (default 0.95)",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="fixed-steps mode: T denoising steps per block (overrides --threshold)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="keep only the last N prompt tokens (long files)")
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="keep only the last N prompt tokens (long files)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="decode past EOS")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    r = sub.add_parser("init-random",
-                       help="write a random-weight checkpoint (HF format) for a preset")
+    r = sub.add_parser(
+        "init-random", help="write a random-weight checkpoint (HF format) for a preset"
+    )
     r.add_argument("--preset", required=True)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--seed", type=int, default=0)
@@ -94,29 +126,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
         overrides["mask_token_id"] = args.mask_token_id
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model, config, tokenizer = load_model(args.model, device=device, dtype=dtype,
-                                          random_init_seed=args.seed, **overrides)
+    model, config, tokenizer = load_model(
+        args.model, device=device, dtype=dtype, random_init_seed=args.seed, **overrides
+    )
     load_s = time.perf_counter() - t0
     if is_preset(args.model):
-        print(f"NOTE: '{args.model}' is a preset with RANDOM weights: the text below is noise, "
-              "shown to exercise the decoder, not a trained model's output.", file=sys.stderr)
+        print(
+            f"NOTE: '{args.model}' is a preset with RANDOM weights: the text below is noise, "
+            "shown to exercise the decoder, not a trained model's output.",
+            file=sys.stderr,
+        )
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     ids = tokenizer.encode(text)
     if args.max_prompt_tokens is not None:
         ids = ids[-args.max_prompt_tokens :]
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, threshold=args.threshold, num_denoise_steps=args.steps, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        threshold=args.threshold,
+        num_denoise_steps=args.steps,
+        seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
     try:
         params.validate()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    engine = DenseEngine(model, config, max_batch_size=1,
-                         max_seq_len=len(ids) + args.max_new_tokens + config.block_size)
-    bar = tqdm(total=args.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr,
-               desc="decoding")
+    engine = DenseEngine(
+        model,
+        config,
+        max_batch_size=1,
+        max_seq_len=len(ids) + args.max_new_tokens + config.block_size,
+    )
+    bar = tqdm(
+        total=args.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr, desc="decoding"
+    )
 
     def on_step(eng: DenseEngine) -> None:
         done = sum(len(r.output_ids) for r in eng.batch.requests)
@@ -147,8 +193,9 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     write_random_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote random '{args.preset}' checkpoint to {args.out} in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"wrote random '{args.preset}' checkpoint to {args.out} in {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

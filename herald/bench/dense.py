@@ -34,13 +34,15 @@ PAPER_DENSE = [
 ]
 
 
-def run_case(model: Any, config: Any, context: int, batch: int, new_tokens: int, steps: int,
-             seed: int) -> dict[str, Any]:
+def run_case(
+    model: Any, config: Any, context: int, batch: int, new_tokens: int, steps: int, seed: int
+) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     hi = min(config.vocab_size, config.mask_token_id, *config.eos_token_ids)
     prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
-    engine = DenseEngine(model, config, max_batch_size=batch, max_seq_len=context + new_tokens,
-                         check_finite=True)
+    engine = DenseEngine(
+        model, config, max_batch_size=batch, max_seq_len=context + new_tokens, check_finite=True
+    )
     torch.cuda.reset_peak_memory_stats()
     params = SamplingParams(max_new_tokens=new_tokens, num_denoise_steps=steps, ignore_eos=True)
     t0 = time.perf_counter()
@@ -52,16 +54,23 @@ def run_case(model: Any, config: Any, context: int, batch: int, new_tokens: int,
     med = statistics.median(fwd)
     b = config.block_size
     out = {
-        "context": context, "batch": batch, "new_tokens_per_request": new_tokens,
-        "block_size": b, "num_denoise_steps": steps,
-        "generated_tokens": gen, "decode_seconds": st.decode_seconds,
+        "context": context,
+        "batch": batch,
+        "new_tokens_per_request": new_tokens,
+        "block_size": b,
+        "num_denoise_steps": steps,
+        "generated_tokens": gen,
+        "decode_seconds": st.decode_seconds,
         "decode_tokens_per_s": gen / st.decode_seconds,
         "steady_tokens_per_s": batch * b / ((steps + 1) * med),
-        "median_forward_ms": med * 1e3, "min_forward_ms": min(fwd) * 1e3,
-        "num_forwards": len(fwd), "prefill_seconds": st.prefill_seconds,
+        "median_forward_ms": med * 1e3,
+        "min_forward_ms": min(fwd) * 1e3,
+        "num_forwards": len(fwd),
+        "prefill_seconds": st.prefill_seconds,
         "prefill_tokens": st.num_prefill_tokens,
         "prefill_tokens_per_s": st.num_prefill_tokens / max(st.prefill_seconds, 1e-9),
-        "wall_seconds": wall, "nonfinite_forwards": st.num_nonfinite_steps,
+        "wall_seconds": wall,
+        "nonfinite_forwards": st.num_nonfinite_steps,
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "kv_cache_gib": engine.cache.num_bytes / 2**30,
         "steps_per_block": reqs[0].steps_per_block,
@@ -93,8 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if str(c[1]) in args.contexts.split(",")]
     for preset in dict.fromkeys(c[0] for c in cases):
         t0 = time.perf_counter()
-        model, config, _ = load_model(preset, device="cuda", dtype=torch.bfloat16,
-                                      random_init_seed=0, block_size=args.block_size)
+        model, config, _ = load_model(
+            preset,
+            device="cuda",
+            dtype=torch.bfloat16,
+            random_init_seed=0,
+            block_size=args.block_size,
+        )
         print(f"[{preset}] built random model in {time.perf_counter() - t0:.1f} s", flush=True)
         for _, ctx, bs, paper in (c for c in cases if c[0] == preset):
             try:
@@ -107,23 +121,32 @@ def main(argv: list[str] | None = None) -> int:
             if r["status"] == "ok":
                 r["ratio_vs_paper"] = r["decode_tokens_per_s"] / paper
             results.append(r)
-            print(f"[{preset} {ctx} bs{bs}] {r.get('decode_tokens_per_s', 0):.0f} tok/s "
-                  f"(paper {paper:.0f}), median fwd {r.get('median_forward_ms', 0):.1f} ms, "
-                  f"peak {r.get('peak_gpu_memory_gib', 0):.1f} GiB, {r['status']}", flush=True)
+            print(
+                f"[{preset} {ctx} bs{bs}] {r.get('decode_tokens_per_s', 0):.0f} tok/s "
+                f"(paper {paper:.0f}), median fwd {r.get('median_forward_ms', 0):.1f} ms, "
+                f"peak {r.get('peak_gpu_memory_gib', 0):.1f} GiB, {r['status']}",
+                flush=True,
+            )
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    payload = {"command": command_line(), "machine": machine_info(),
-               "gpu_memory_cap_gb": args.gpu_memory_gb, "results": results}
+    payload = {
+        "command": command_line(),
+        "machine": machine_info(),
+        "gpu_memory_cap_gb": args.gpu_memory_gb,
+        "results": results,
+    }
     name = "dense" if args.gpu_memory_gb is None else f"dense_cap{int(args.gpu_memory_gb)}gb"
     write_json(args.out / f"{name}.json", payload)
     print("\npreset        context  batch  tok/s  paper  ratio  fwd_ms  peakGiB")
     for r in results:
         if r["status"] == "ok":
-            print(f"{r['preset']:<13} {r['context']:>7} {r['batch']:>6} "
-                  f"{r['decode_tokens_per_s']:>6.0f} {r['paper_h100_tokens_per_s']:>6.0f} "
-                  f"{r['ratio_vs_paper']:>6.2f} {r['median_forward_ms']:>7.1f} "
-                  f"{r['peak_gpu_memory_gib']:>8.1f}")
+            print(
+                f"{r['preset']:<13} {r['context']:>7} {r['batch']:>6} "
+                f"{r['decode_tokens_per_s']:>6.0f} {r['paper_h100_tokens_per_s']:>6.0f} "
+                f"{r['ratio_vs_paper']:>6.2f} {r['median_forward_ms']:>7.1f} "
+                f"{r['peak_gpu_memory_gib']:>8.1f}"
+            )
         else:
             print(f"{r['preset']:<13} {r['context']:>7} {r['batch']:>6}  {r['status']}")
     return 0

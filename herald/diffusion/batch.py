@@ -26,8 +26,13 @@ from herald.models.base import BlockDiffusionLM
 class DecodeBatch:
     """Rows of running requests. ``requests[i]`` owns row i of every tensor (and KV slot i)."""
 
-    def __init__(self, block_size: int, mask_token_id: int, eos_token_ids: tuple[int, ...],
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        mask_token_id: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device | str,
+    ) -> None:
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.eos_token_ids = set(eos_token_ids)
@@ -126,8 +131,13 @@ class DecodeBatch:
             self.masked[i] = m
         return finished, committing
 
-    def _denoise(self, model: BlockDiffusionLM, hidden: torch.Tensor, masked: torch.Tensor,
-                 num_masked: torch.Tensor) -> None:
+    def _denoise(
+        self,
+        model: BlockDiffusionLM,
+        hidden: torch.Tensor,
+        masked: torch.Tensor,
+        num_masked: torch.Tensor,
+    ) -> None:
         bs, b = masked.shape
         rows, cols = masked.nonzero(as_tuple=True)
         logits = model.compute_logits(hidden[rows, cols])  # [N, V] float32, N = masked positions
@@ -152,10 +162,12 @@ class DecodeBatch:
                 conf[rows[sl], cols[sl]] = cf
                 start += n
         steps_done = torch.tensor([r.steps_in_block for r in self.requests], device=self.device)
-        fixed = torch.tensor([r.params.num_denoise_steps or 0 for r in self.requests],
-                             device=self.device)
-        thr = torch.tensor([r.params.threshold for r in self.requests], dtype=torch.float32,
-                           device=self.device)
+        fixed = torch.tensor(
+            [r.params.num_denoise_steps or 0 for r in self.requests], device=self.device
+        )
+        thr = torch.tensor(
+            [r.params.threshold for r in self.requests], dtype=torch.float32, device=self.device
+        )
         k_min = min_accept_count(num_masked, steps_done, fixed)
         accept = select_unmask(conf, masked, thr, k_min, fixed == 0)
         self.tokens = torch.where(accept, cand, self.tokens)

@@ -38,6 +38,17 @@ class EngineStats:
     num_nonfinite_steps: int = 0
 
 
+@dataclass
+class _CapturedForward:
+    """A CUDA graph of one B-token forward at a fixed (batch size, block start)."""
+
+    key: tuple[int, int]
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+
+
 class DenseEngine:
     """Block-diffusion decoding over a dense KV cache.
 
@@ -48,6 +59,11 @@ class DenseEngine:
         max_seq_len: tokens per request at most (prompt + max_new_tokens, rounded up to blocks).
         prefill_chunk_tokens: prompt tokens per prefill forward (rounded down to whole blocks).
         check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
+        random_prefill: fill the prompt's KV with random values instead of running the prompt
+            forward (decode-throughput benchmarks only: decode speed does not depend on values).
+        use_cuda_graph: on CUDA, replay the denoising forward from a CUDA graph whenever every
+            running request is at the same position (one capture per block, reused by its T
+            denoising steps and the commit forward); eager otherwise.
 
     Raises:
         ValueError from :meth:`add_request` when a request cannot fit (``max_seq_len``).
@@ -62,6 +78,8 @@ class DenseEngine:
         max_seq_len: int,
         prefill_chunk_tokens: int = 4096,
         check_finite: bool = False,
+        random_prefill: bool = False,
+        use_cuda_graph: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -77,6 +95,10 @@ class DenseEngine:
         self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
         self.stats = EngineStats()
         self.check_finite = check_finite
+        self.random_prefill = random_prefill
+        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
+        self._graph: _CapturedForward | None = None
+        self._graph_warm = False
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -101,6 +123,11 @@ class DenseEngine:
     def _prefill(self, req: Request, slot: int) -> None:
         """Forward the whole prompt blocks of ``req`` into KV slot ``slot``, in chunks."""
         n = req.layout.num_prefill_tokens
+        if self.random_prefill:
+            for t in self.cache.k + self.cache.v:
+                t[slot, :, :n].normal_()
+            self.stats.num_prefill_tokens += n
+            return
         ids = torch.tensor(req.prompt_ids[:n], dtype=torch.long, device=self.device)
         for s in range(0, n, self.prefill_chunk):
             e = min(n, s + self.prefill_chunk)
@@ -133,8 +160,7 @@ class DenseEngine:
             return []
         t0 = time.perf_counter()
         input_ids, positions = self.batch.inputs()
-        self.attn.prepare(self.batch.starts(), self.config.block_size)
-        hidden = self.model(input_ids, positions, self.attn)
+        hidden = self._forward(input_ids, positions, self.batch.starts())
         if self.check_finite and not bool(hidden.isfinite().all()):
             self.stats.num_nonfinite_steps += 1
         finished_rows, _ = self.batch.apply(self.model, hidden)
@@ -150,6 +176,51 @@ class DenseEngine:
         self.stats.step_seconds.append(dt)
         self.stats.decode_seconds += dt
         return finished
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, starts: list[int]
+    ) -> torch.Tensor:
+        """One B-token forward of every running request; final-normed hidden [bs, B, H]."""
+        b = self.config.block_size
+        uniform = all(s == starts[0] for s in starts)
+        if not (self.use_cuda_graph and uniform):
+            self.attn.prepare(starts, b)
+            return self.model(input_ids, positions, self.attn)
+        key = (len(starts), starts[0])
+        if self._graph is None or self._graph.key != key:
+            self._graph = None  # free the previous block's graph and its memory pool first
+            self._graph = self._capture(key, input_ids, positions, starts)
+        g = self._graph
+        # NOTE: the static inputs are overwritten on the current stream, in order after the
+        # previous replay that read them; the replay below is ordered after these copies.
+        g.input_ids.copy_(input_ids)
+        g.positions.copy_(positions)
+        g.graph.replay()
+        return g.hidden
+
+    def _capture(
+        self,
+        key: tuple[int, int],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        starts: list[int],
+    ) -> _CapturedForward:
+        ids, pos = input_ids.clone(), positions.clone()
+        self.attn.prepare(starts, self.config.block_size)
+        if not self._graph_warm:
+            # cuBLAS / cuDNN handles and workspaces must exist before capture. The warm-up
+            # forward writes this block's K/V at its own positions, exactly what the replay
+            # writes again, so it changes nothing.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.model(ids, pos, self.attn)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._graph_warm = True
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hidden = self.model(ids, pos, self.attn)
+        return _CapturedForward(key, graph, ids, pos, hidden)
 
     def generate(
         self,

@@ -32,7 +32,10 @@ class BlockCausalAttention:
         blk = torch.arange(n, device=q.device) // self.block_size
         mask = blk[None, :] <= blk[:, None]  # [L, L]: key block <= query block
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
             enable_gqa=True,
         )
         return o.transpose(1, 2)

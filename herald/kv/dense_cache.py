@@ -46,8 +46,10 @@ class DenseKVCache:
         dtype: torch.dtype,
     ) -> None:
         shape = (num_slots, config.num_kv_heads, capacity, config.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        # NOTE: zero-filled, not empty: masked-out keys still multiply their V rows by a zero
+        # probability, and 0 * NaN from uninitialised memory would poison the output.
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.num_slots = num_slots
         self.capacity = capacity
 

@@ -112,7 +112,9 @@ class ModelConfig:
         hidden = int(req("hidden_size"))
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
         if arch == LLADA2_ARCH:
-            rotary_dim = int(hf.get("rotary_dim") or head_dim * float(hf.get("partial_rotary_factor", 1.0)))
+            rotary_dim = int(
+                hf.get("rotary_dim") or head_dim * float(hf.get("partial_rotary_factor", 1.0))
+            )
         else:
             rotary_dim = head_dim
         eos = hf.get("eos_token_ids", defaults["eos_token_ids"])

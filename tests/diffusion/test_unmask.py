@@ -12,7 +12,9 @@ def _sel(conf, masked, thr=0.95, k=None, fixed=False):
     masked = torch.tensor([masked])
     n = masked.sum(-1)
     k = torch.tensor([k]) if k is not None else torch.ones_like(n)
-    return select_unmask(conf, masked, torch.tensor([thr]), k, torch.tensor([not fixed]))[0].tolist()
+    return select_unmask(conf, masked, torch.tensor([thr]), k, torch.tensor([not fixed]))[
+        0
+    ].tolist()
 
 
 def test_threshold_is_strictly_greater():
@@ -34,7 +36,11 @@ def test_fallback_clamped_to_masks_left():
     k = min_accept_count(n, torch.tensor([0]), torch.tensor([1]))
     assert k.tolist() == [2]
     assert _sel([0.9, 0.8, 0.7, 0.6], [False, True, False, True], k=2, fixed=True) == [
-        False, True, False, True]
+        False,
+        True,
+        False,
+        True,
+    ]
 
 
 def test_fixed_steps_schedule_finishes_in_t_steps():
@@ -93,7 +99,13 @@ def test_sampler_seeded_and_filters():
 
 
 def test_sampling_params_validation():
-    for bad in (dict(max_new_tokens=0), dict(threshold=0.0), dict(threshold=1.5),
-                dict(top_p=0.0), dict(temperature=-1.0), dict(num_denoise_steps=0)):
+    for bad in (
+        dict(max_new_tokens=0),
+        dict(threshold=0.0),
+        dict(threshold=1.5),
+        dict(top_p=0.0),
+        dict(temperature=-1.0),
+        dict(num_denoise_steps=0),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad).validate()
