@@ -43,7 +43,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    return "python -m " + " ".join(shlex.quote(a) for a in [sys.argv[0], *sys.argv[1:]])
+    """The command as typed (``sys.orig_argv``: interpreter, ``-m module`` and arguments)."""
+    return " ".join(shlex.quote(a) for a in sys.orig_argv)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -134,7 +134,10 @@ def test_request_errors():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cached_equals_reference_on_gpu(preset):
     config = get_preset(preset)
-    model = build_model(config, device="cuda", dtype=torch.float32, seed=1)
+    # float64: on the GPU, fp32 reduction-order differences between the cached and the no-cache
+    # attention kernels can flip a near-tied MoE routing decision; the invariant under test is
+    # the algorithm, not float rounding.
+    model = build_model(config, device="cuda", dtype=torch.float64, seed=1)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     prompts = _prompts(config, [45, 64, 150, 9])
     batched = DenseEngine(
