@@ -1,0 +1,77 @@
+// Plain C ABI of the CPU selection kernel (DESIGN §3, paper §IV-B4).
+//
+// Loaded from Python through ctypes (herald/kv/_kernel.py mirrors these structs field by field;
+// bump HERALD_ABI_VERSION on any change). No libtorch, no Python headers: every tensor is a raw
+// pointer plus the sizes and strides needed to read it. All element types are fixed:
+// bf16 as uint16_t, int32 indices, fp32 outputs.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The library is built with -fvisibility=hidden; only these entry points are exported.
+#define HERALD_API __attribute__((visibility("default")))
+
+#define HERALD_ABI_VERSION 3
+
+// Return codes of the entry points; herald_last_error() holds the message.
+#define HERALD_OK 0
+#define HERALD_EINVAL 1     // bad argument (page id out of range, unsupported ISA, ...)
+#define HERALD_ENONFINITE 2 // a NaN/inf attention score: NaN or inf in q or K
+#define HERALD_EINTERNAL 3  // allocation failure or other internal error
+
+// Fused attention + top-k selection for a batch of requests of one layer.
+typedef struct {
+  int32_t n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, max_pages;
+  int32_t k_max;    // columns of `indices` (>= min(budget[r], seq_lens[r]) for every r)
+  int32_t s_max;    // columns of `importance` (>= seq_lens[r] for every r)
+  int32_t output_mode;  // 0: full (attention over all S keys), 1: selected (over the selected rows)
+  int32_t isa;  // 0: auto, 1: avx512 fp32-FMA, 2: portable, 3: avx512 vdpbf16ps (1, 3: error if unsupported)
+  int32_t num_threads;  // >= 1
+  int32_t schedule;     // 0: auto, 1: whole (request, KV head) items, 2: tiles of S
+  int32_t prefetch_hint;      // 0: none, 1: T0, 2: T1, 3: NTA
+  int32_t prefetch_distance;  // pages ahead (>= 1)
+  int32_t _pad0;
+  int64_t num_pages;
+  int64_t page_stride, head_stride;  // elements; a page slab [page_size, head_dim] is contiguous
+  float scale;                       // score scale, head_dim ** -0.5
+  int32_t _pad1;
+  const uint16_t* q;        // [n_req, n_q, num_heads, head_dim] contiguous
+  const uint16_t* k_pages;  // [num_pages, num_kv_heads, page_size, head_dim] with the strides above
+  const uint16_t* v_pages;  // same shape and strides as k_pages
+  const int32_t* page_table;  // [n_req, max_pages]
+  const int32_t* seq_lens;    // [n_req], 1 <= S <= max_pages * page_size
+  const int32_t* budget;      // [n_req], >= 1
+  int32_t* indices;           // out [n_req, num_kv_heads, k_max], ascending, -1 padded
+  int32_t* num_selected;      // out [n_req]
+  float* attn_output;         // out [n_req, n_q, num_heads, head_dim]
+  float* importance;          // out [n_req, num_kv_heads, s_max] or NULL
+} herald_select_args;
+
+// Copy the selected K and V rows into out[2, n_req, num_kv_heads, k_max, head_dim] (bf16).
+typedef struct {
+  int32_t n_req, num_kv_heads, head_dim, page_size, max_pages, k_max, num_threads, _pad0;
+  int64_t num_pages, page_stride, head_stride;
+  const uint16_t* k_pages;
+  const uint16_t* v_pages;
+  const int32_t* page_table;    // [n_req, max_pages]
+  const int32_t* indices;       // [n_req, num_kv_heads, k_max]
+  const int32_t* num_selected;  // [n_req], each <= k_max
+  uint16_t* out;                // [2, n_req, num_kv_heads, k_max, head_dim] contiguous
+} herald_gather_args;
+
+HERALD_API int32_t herald_abi_version(void);
+HERALD_API const char* herald_source_hash(void);  // hash of the sources this library was built from
+HERALD_API int32_t herald_cpu_has_avx512bf16(void);  // 1 if the AVX-512 BF16 path can run here
+HERALD_API const char* herald_last_error(void);   // message of the last failed call on this thread
+HERALD_API int32_t herald_select_topk(const herald_select_args* args);
+HERALD_API int32_t herald_gather_selected(const herald_gather_args* args);
+// Sum `nbytes` bytes at `data` with `num_threads` threads (a DRAM read-bandwidth probe).
+HERALD_API double herald_read_probe(const void* data, int64_t nbytes, int32_t num_threads);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,520 @@
+// Driver of the fused attention + top-k selection kernel (DESIGN §3, paper §IV-B4).
+//
+// Work item = (request r, KV head h): Qn = n_q * G query rows against S prefix keys held in
+// pages. Per item, in three steps:
+//   A. scan:  stream the K pages once; per page the scores of all Qn rows, stored as
+//             e = exp(score - page_max) with the page's (max, sum) statistics (per-thread buffer,
+//             so ranking needs no second read of K);
+//   B. rank:  global (m, l) per row from the page statistics, importance
+//             imp[s] = sum_rows exp(score - m) / l, top-k; in full mode also P @ V over all pages;
+//   C. finish: (tiles only) merge the per-tile top-k; selected mode: P @ V over the selected rows
+//             only, renormalised; write indices / outputs.
+// Scheduling: whole items over threads (dynamic, longest first) when that balances well;
+// otherwise the pages of all items are cut into one contiguous tile per thread, with barriers
+// between A, B and C (the pool's run() calls). A tile's B runs on the thread that ran its A, so
+// its e buffer is still in that core's cache.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "herald_selection.h"
+#include "runtime.h"
+#include "selection.h"
+
+namespace herald {
+namespace {
+
+struct Item {
+  int r, h, S, npages, k;  // k = min(budget, S)
+  int u0 = 0, nu = 0;      // units of this item: [u0, u0 + nu)
+};
+
+struct Unit {
+  int item, pg0, pg1, tid;   // pages [pg0, pg1) of the item, run by thread tid (tiles)
+  float* e = nullptr;        // [pages][Qn][Pp] in the owner's arena
+  float* st = nullptr;       // [pages][Qn] page max (then factor f), then [pages][Qn] page sums
+  int64_t cand_off = 0;      // tiles: this unit's top-k candidates in the shared arrays
+  int cand_n = 0;
+};
+
+// Per-thread slices of the arena (taken once per call, in the first phase).
+struct Work {
+  float *sbuf, *imp, *o, *wsel, *m, *l, *lsel;
+  void *kt, *qprep, *pvscratch;
+  uint16_t* qraw;
+  uint32_t *topk, *mkeys;
+  int32_t* mpos;
+  const uint16_t* rows[32];
+};
+
+class Selection {
+ public:
+  Selection(const herald_select_args& a, const Kernels& kern) : a_(a), kern_(kern) {
+    G_ = a.num_heads / a.num_kv_heads;
+    Qn_ = a.n_q * G_;
+    D_ = a.head_dim;
+    P_ = a.page_size;
+    Pp_ = round_up(P_, kLanes);
+  }
+
+  int run(Runtime& rt);
+
+ private:
+  int plan(int T);
+  // Bytes of the Work slices (not the e / stats buffers) for units of up to cap_pages pages.
+  size_t arena_bytes(int cap_pages) const;
+  size_t unit_bytes(int pages) const {
+    return Arena::slot(sizeof(float) * pages * Qn_ * Pp_) + Arena::slot(sizeof(float) * 2 * pages * Qn_);
+  }
+  Work carve(Arena& ar, int cap_pages) const;
+  const uint16_t* k_slab(int r, int h, int pg) const {
+    const int64_t pid = a_.page_table[static_cast<int64_t>(r) * a_.max_pages + pg];
+    return a_.k_pages + pid * a_.page_stride + h * a_.head_stride;
+  }
+  const uint16_t* v_slab(int r, int h, int pg) const {
+    const int64_t pid = a_.page_table[static_cast<int64_t>(r) * a_.max_pages + pg];
+    return a_.v_pages + pid * a_.page_stride + h * a_.head_stride;
+  }
+  int rows_of(const Item& it, int pg) const { return pg == it.npages - 1 ? it.S - pg * P_ : P_; }
+  void prefetch_slab(const uint16_t* p, int rows) const;
+  bool scan(Unit& u, Work& w);
+  void rank(Unit& u, Work& w);
+  void finish(int item_index, Work& w);
+  void fail(int code, const std::string& msg);
+
+  const herald_select_args& a_;
+  const Kernels& kern_;
+  int G_, Qn_, D_, P_, Pp_;
+  bool tiles_ = false;
+  std::vector<Item> items_;
+  std::vector<Unit> units_;
+  std::vector<std::vector<int>> units_of_thread_;
+  std::vector<int> order_;              // item order for the whole-item schedule
+  std::vector<float> um_, ul_;          // per unit, per row: max and sum relative to that max
+  std::vector<float> uo_;               // tiles, full mode: per unit P @ V partial [Qn][D]
+  std::vector<int32_t> cand_pos_;       // tiles: per unit top-k candidates
+  std::vector<uint32_t> cand_key_;
+  std::vector<Work> work_;
+  std::atomic<int> next_{0};
+  std::atomic<int> err_code_{0};
+  std::mutex err_mu_;
+  std::string err_msg_;
+};
+
+void Selection::fail(int code, const std::string& msg) {
+  std::lock_guard<std::mutex> lk(err_mu_);
+  if (err_code_.load() == 0) {
+    err_msg_ = msg;
+    err_code_.store(code);
+  }
+}
+
+int Selection::plan(int T) {
+  const auto& a = a_;
+  int64_t total_pages = 0;
+  int max_pages_item = 0;
+  for (int r = 0; r < a.n_req; ++r) {
+    const int S = a.seq_lens[r], b = a.budget[r];
+    if (S < 1 || S > static_cast<int64_t>(a.max_pages) * P_ || b < 1) {
+      fail(HERALD_EINVAL, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(S) +
+                              " must be in [1, max_pages * page_size] and budget >= 1");
+      return HERALD_EINVAL;
+    }
+    const int np = (S + P_ - 1) / P_;
+    for (int pg = 0; pg < np; ++pg) {
+      const int32_t pid = a.page_table[static_cast<int64_t>(r) * a.max_pages + pg];
+      if (pid < 0 || pid >= a.num_pages) {
+        fail(HERALD_EINVAL, "page_table[" + std::to_string(r) + ", " + std::to_string(pg) +
+                                "] = " + std::to_string(pid) + " is outside [0, num_pages=" +
+                                std::to_string(a.num_pages) + ")");
+        return HERALD_EINVAL;
+      }
+    }
+    const int k = std::min(b, S);
+    if (k > a.k_max || (a.importance != nullptr && S > a.s_max)) {
+      fail(HERALD_EINVAL, "k_max or s_max too small for request " + std::to_string(r));
+      return HERALD_EINVAL;
+    }
+    a.num_selected[r] = k;
+    for (int h = 0; h < a.num_kv_heads; ++h) items_.push_back({r, h, S, np, k});
+    total_pages += static_cast<int64_t>(np) * a.num_kv_heads;
+    max_pages_item = std::max(max_pages_item, np);
+  }
+  const int n = static_cast<int>(items_.size());
+  order_.resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) order_[i] = i;
+  std::stable_sort(order_.begin(), order_.end(),
+                   [&](int x, int y) { return items_[x].npages > items_[y].npages; });
+  // Whole items if greedy longest-first keeps >= 85% of the threads busy, else tiles.
+  std::vector<int64_t> load(static_cast<size_t>(T), 0);
+  for (int i : order_) *std::min_element(load.begin(), load.end()) += items_[i].npages;
+  const int64_t makespan = *std::max_element(load.begin(), load.end());
+  const bool balanced = total_pages >= 0.85 * static_cast<double>(T) * makespan;
+  tiles_ = a.schedule == 2 || (a.schedule == 0 && !balanced && T > 1);
+  units_of_thread_.assign(static_cast<size_t>(T), {});
+  if (!tiles_) {
+    for (int i = 0; i < n; ++i) {
+      items_[i].u0 = i;
+      items_[i].nu = 1;
+      units_.push_back({i, 0, items_[i].npages, -1});
+    }
+  } else {
+    const int64_t chunk = (total_pages + T - 1) / T;
+    int64_t g = 0;  // global page offset of the current item
+    for (int i = 0; i < n; ++i) {
+      Item& it = items_[i];
+      it.u0 = static_cast<int>(units_.size());
+      for (int pg = 0; pg < it.npages;) {
+        const int t = static_cast<int>((g + pg) / chunk);
+        const int end = static_cast<int>(std::min<int64_t>(it.npages, (t + 1) * chunk - g));
+        units_of_thread_[t].push_back(static_cast<int>(units_.size()));
+        units_.push_back({i, pg, end, t});
+        pg = end;
+      }
+      it.nu = static_cast<int>(units_.size()) - it.u0;
+      g += it.npages;
+    }
+    int64_t ncand = 0;
+    for (Unit& u : units_) {
+      u.cand_off = ncand;
+      ncand += std::min((u.pg1 - u.pg0) * P_, items_[u.item].k);
+    }
+    cand_pos_.resize(static_cast<size_t>(ncand));
+    cand_key_.resize(static_cast<size_t>(ncand));
+    if (a.output_mode == 0) uo_.assign(units_.size() * Qn_ * D_, 0.0f);
+  }
+  um_.resize(units_.size() * Qn_);
+  ul_.resize(units_.size() * Qn_);
+  return HERALD_OK;
+}
+
+size_t Selection::arena_bytes(int cap_pages) const {
+  const int s_max = std::max(a_.s_max, cap_pages * P_);
+  const size_t f = sizeof(float);
+  return Arena::slot(f * Qn_ * Pp_) + Arena::slot(f * cap_pages * P_) + Arena::slot(f * Qn_ * D_) +
+         Arena::slot(f * Qn_ * 32) + 3 * Arena::slot(f * Qn_) + Arena::slot(f * D_ * Pp_) +
+         Arena::slot(std::max(kern_.qprep_bytes(Qn_, D_), f * Qn_ * D_)) +
+         Arena::slot(f * (32 * D_ + 16 * Qn_)) + Arena::slot(2 * Qn_ * D_) +
+         Arena::slot(4 * topk_scratch_words(s_max)) + 2 * Arena::slot(4 * (s_max + 1)) + 4096;
+}
+
+Work Selection::carve(Arena& ar, int cap_pages) const {
+  const int s_max = std::max(a_.s_max, cap_pages * P_);
+  Work w;
+  w.sbuf = ar.take<float>(static_cast<size_t>(Qn_) * Pp_);
+  w.imp = ar.take<float>(static_cast<size_t>(cap_pages) * P_);
+  w.o = ar.take<float>(static_cast<size_t>(Qn_) * D_);
+  w.wsel = ar.take<float>(static_cast<size_t>(Qn_) * 32);
+  w.m = ar.take<float>(Qn_);
+  w.l = ar.take<float>(Qn_);
+  w.lsel = ar.take<float>(Qn_);
+  w.kt = ar.take<float>(static_cast<size_t>(D_) * Pp_);
+  w.qprep = ar.take<char>(std::max(kern_.qprep_bytes(Qn_, D_), sizeof(float) * Qn_ * D_));
+  w.pvscratch = ar.take<float>(static_cast<size_t>(32) * D_ + 16 * Qn_);
+  w.qraw = ar.take<uint16_t>(static_cast<size_t>(Qn_) * D_);
+  w.topk = ar.take<uint32_t>(topk_scratch_words(s_max));
+  w.mkeys = ar.take<uint32_t>(static_cast<size_t>(s_max) + 1);
+  w.mpos = ar.take<int32_t>(static_cast<size_t>(s_max) + 1);
+  return w;
+}
+
+void Selection::prefetch_slab(const uint16_t* p, int rows) const {
+  if (a_.prefetch_hint == 0) return;
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = static_cast<int64_t>(rows) * D_ * 2;
+  for (int64_t o = 0; o < bytes; o += 64) {
+    switch (a_.prefetch_hint) {
+      case 1: __builtin_prefetch(c + o, 0, 3); break;
+      case 2: __builtin_prefetch(c + o, 0, 2); break;
+      default: __builtin_prefetch(c + o, 0, 0); break;
+    }
+  }
+}
+
+bool Selection::scan(Unit& u, Work& w) {
+  const Item& it = items_[u.item];
+  const int H = a_.num_heads;
+  for (int qi = 0; qi < a_.n_q; ++qi)  // rows of this KV head's group, row = qi * G + g
+    std::memcpy(w.qraw + static_cast<size_t>(qi) * G_ * D_,
+                a_.q + ((static_cast<int64_t>(it.r) * a_.n_q + qi) * H + it.h * G_) * D_,
+                sizeof(uint16_t) * G_ * D_);
+  kern_.prep_q(w.qraw, Qn_, D_, w.qprep);
+  const int np = u.pg1 - u.pg0, dist = std::max(1, a_.prefetch_distance);
+  for (int pg = u.pg0; pg < std::min(u.pg1, u.pg0 + dist); ++pg)
+    prefetch_slab(k_slab(it.r, it.h, pg), rows_of(it, pg));
+  PageScoreArgs pa{};
+  pa.prefetch_hint = a_.prefetch_hint;
+  pa.qprep = w.qprep;
+  pa.Qn = Qn_;
+  pa.D = D_;
+  pa.Pp = Pp_;
+  pa.scale = a_.scale;
+  pa.sbuf = w.sbuf;
+  pa.kt = w.kt;
+  // NOTE: e larger than a core's share of the cache is written with non-temporal stores (no
+  // read-for-ownership); it is read back once by rank() and finish().
+  pa.stream_store = static_cast<size_t>(np) * Qn_ * Pp_ * sizeof(float) > (size_t{4} << 20);
+  for (int pg = u.pg0; pg < u.pg1; ++pg) {
+    const int i = pg - u.pg0;
+    pa.k = k_slab(it.r, it.h, pg);
+    pa.n = rows_of(it, pg);
+    const int nxt = pg + dist;
+    pa.k_next = nxt < u.pg1 && a_.prefetch_hint != 0 ? k_slab(it.r, it.h, nxt) : nullptr;
+    pa.n_next = nxt < u.pg1 ? rows_of(it, nxt) : 0;
+    pa.e = u.e + static_cast<int64_t>(i) * Qn_ * Pp_;
+    pa.page_max = u.st + static_cast<int64_t>(i) * Qn_;
+    pa.page_sum = u.st + static_cast<int64_t>(np + i) * Qn_;
+    if (!kern_.score_page(pa)) {
+      fail(HERALD_ENONFINITE,
+           "non-finite attention score for request " + std::to_string(it.r) + ", KV head " +
+               std::to_string(it.h) + " (NaN or inf in q or K, or a score overflowing float32)");
+      return false;
+    }
+  }
+  float* um = &um_[static_cast<size_t>(&u - units_.data()) * Qn_];
+  float* ul = &ul_[static_cast<size_t>(&u - units_.data()) * Qn_];
+  for (int q = 0; q < Qn_; ++q) {
+    float m = -INFINITY, l = 0.0f;
+    for (int i = 0; i < np; ++i) m = std::max(m, u.st[i * Qn_ + q]);
+    for (int i = 0; i < np; ++i)
+      l += u.st[(np + i) * Qn_ + q] * std::exp(u.st[i * Qn_ + q] - m);
+    um[q] = m;
+    ul[q] = l;
+  }
+  return true;
+}
+
+void Selection::rank(Unit& u, Work& w) {
+  const Item& it = items_[u.item];
+  const int np = u.pg1 - u.pg0;
+  // Row statistics over the whole item, from its units' (max, sum).
+  for (int q = 0; q < Qn_; ++q) {
+    float m = -INFINITY, l = 0.0f;
+    for (int v = it.u0; v < it.u0 + it.nu; ++v) m = std::max(m, um_[v * Qn_ + q]);
+    for (int v = it.u0; v < it.u0 + it.nu; ++v)
+      l += ul_[v * Qn_ + q] * std::exp(um_[v * Qn_ + q] - m);
+    w.m[q] = m;
+    w.l[q] = 1.0f / l;
+  }
+  // Page max -> factor f = exp(page_max - m) / l: e * f is the softmax probability.
+  for (int i = 0; i < np; ++i)
+    for (int q = 0; q < Qn_; ++q)
+      u.st[i * Qn_ + q] = std::exp(u.st[i * Qn_ + q] - w.m[q]) * w.l[q];
+  const int last_rows = rows_of(it, u.pg1 - 1);
+  const int len = (np - 1) * P_ + last_rows;
+  float* imp = a_.importance != nullptr
+                   ? a_.importance + (static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h) * a_.s_max +
+                         static_cast<int64_t>(u.pg0) * P_
+                   : w.imp;
+  kern_.importance(u.e, u.st, Qn_, Pp_, P_, np, last_rows, imp);
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(imp);
+  if (!tiles_) {
+    int32_t* out = a_.indices + (static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h) * a_.k_max;
+    const int k = select_topk_keys(keys, nullptr, 0, len, it.k, out, nullptr, w.topk);
+    for (int j = k; j < a_.k_max; ++j) out[j] = -1;
+  } else {
+    u.cand_n = select_topk_keys(keys, nullptr, u.pg0 * P_, len, std::min(it.k, len),
+                                &cand_pos_[u.cand_off], &cand_key_[u.cand_off], w.topk);
+  }
+  if (a_.output_mode != 0) return;
+  // Full mode: P @ V over this unit's pages.
+  float* o = tiles_ ? &uo_[static_cast<size_t>(&u - units_.data()) * Qn_ * D_] : w.o;
+  std::memset(o, 0, sizeof(float) * Qn_ * D_);
+  const int dist = std::max(1, a_.prefetch_distance);
+  for (int pg = u.pg0; pg < std::min(u.pg1, u.pg0 + dist); ++pg)
+    prefetch_slab(v_slab(it.r, it.h, pg), rows_of(it, pg));
+  for (int pg = u.pg0; pg < u.pg1; ++pg) {
+    const int i = pg - u.pg0, n = rows_of(it, pg);
+    if (pg + dist < u.pg1) prefetch_slab(v_slab(it.r, it.h, pg + dist), rows_of(it, pg + dist));
+    const uint16_t* v = v_slab(it.r, it.h, pg);
+    for (int j0 = 0; j0 < n; j0 += 32) {
+      const int cnt = std::min(32, n - j0);
+      for (int j = 0; j < cnt; ++j) w.rows[j] = v + static_cast<int64_t>(j0 + j) * D_;
+      PvArgs pv{w.rows, cnt, u.e + static_cast<int64_t>(i) * Qn_ * Pp_ + j0, Pp_,
+                u.st + static_cast<int64_t>(i) * Qn_, 1, Qn_, D_, o, w.pvscratch};
+      kern_.pv(pv);
+    }
+  }
+}
+
+void Selection::finish(int item_index, Work& w) {
+  const Item& it = items_[item_index];
+  const int64_t rh = static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h;
+  int32_t* sel = a_.indices + rh * a_.k_max;
+  if (tiles_) {  // merge the per-tile candidates (tiles are in position order)
+    int n = 0;
+    for (int v = it.u0; v < it.u0 + it.nu; ++v) {
+      const Unit& u = units_[v];
+      std::memcpy(w.mkeys + n, &cand_key_[u.cand_off], sizeof(uint32_t) * u.cand_n);
+      std::memcpy(w.mpos + n, &cand_pos_[u.cand_off], sizeof(int32_t) * u.cand_n);
+      n += u.cand_n;
+    }
+    const int k = select_topk_keys(w.mkeys, w.mpos, 0, n, it.k, sel, nullptr, w.topk);
+    for (int j = k; j < a_.k_max; ++j) sel[j] = -1;
+  }
+  if (a_.importance != nullptr)
+    for (int s = it.S; s < a_.s_max; ++s) a_.importance[rh * a_.s_max + s] = 0.0f;
+  std::vector<float> exact;  // rows whose selected probabilities underflowed (rare)
+  float* o = w.o;
+  if (a_.output_mode == 0) {
+    if (tiles_) {
+      std::memset(o, 0, sizeof(float) * Qn_ * D_);
+      for (int v = it.u0; v < it.u0 + it.nu; ++v)
+        for (int64_t x = 0; x < static_cast<int64_t>(Qn_) * D_; ++x)
+          o[x] += uo_[static_cast<size_t>(v) * Qn_ * D_ + x];
+    }
+    for (int q = 0; q < Qn_; ++q) w.lsel[q] = 1.0f;
+  } else {
+    // Selected mode: softmax restricted to the selected rows, from the stored probabilities.
+    std::memset(o, 0, sizeof(float) * Qn_ * D_);
+    for (int q = 0; q < Qn_; ++q) w.lsel[q] = 0.0f;
+    int v = it.u0;
+    for (int j0 = 0; j0 < it.k; j0 += 32) {
+      const int cnt = std::min(32, it.k - j0);
+      for (int j = 0; j < cnt; ++j) {
+        const int pos = sel[j0 + j], pg = pos / P_, slot = pos % P_;
+        while (pg >= units_[v].pg1) ++v;  // positions ascend, so do their units
+        const Unit& u = units_[v];
+        const int64_t i = pg - u.pg0;
+        for (int q = 0; q < Qn_; ++q) {
+          const float p = u.e[(i * Qn_ + q) * Pp_ + slot] * u.st[i * Qn_ + q];
+          w.wsel[q * 32 + j] = p;
+          w.lsel[q] += p;
+        }
+        w.rows[j] = v_slab(it.r, it.h, pg) + static_cast<int64_t>(slot) * D_;
+      }
+      PvArgs pv{w.rows, cnt, w.wsel, 32, nullptr, 0, Qn_, D_, o, w.pvscratch};
+      kern_.pv(pv);
+    }
+    for (int q = 0; q < Qn_; ++q) w.lsel[q] = w.lsel[q] > 1e-30f ? w.lsel[q] : 0.0f;
+  }
+  const int H = a_.num_heads;
+  for (int q = 0; q < Qn_; ++q) {
+    const int qi = q / G_, g = q % G_;
+    float* dst = a_.attn_output + ((static_cast<int64_t>(it.r) * a_.n_q + qi) * H + it.h * G_ + g) * D_;
+    if (w.lsel[q] > 0.0f) {
+      kern_.unpermute(o + static_cast<int64_t>(q) * D_, 1.0f / w.lsel[q], dst, D_);
+      continue;
+    }
+    // The selected rows' probabilities underflowed in float32 for this query row (its own
+    // attention lies elsewhere): recompute its scores on the selected rows, exactly.
+    const uint16_t* qrow = a_.q + ((static_cast<int64_t>(it.r) * a_.n_q + qi) * H + it.h * G_ + g) * D_;
+    exact.assign(static_cast<size_t>(it.k), 0.0f);
+    float mx = -INFINITY;
+    for (int j = 0; j < it.k; ++j) {
+      const int pos = sel[j];
+      const uint16_t* kr = k_slab(it.r, it.h, pos / P_) + static_cast<int64_t>(pos % P_) * D_;
+      float s = 0.0f;
+      for (int d = 0; d < D_; ++d) s += bf16_to_f32(qrow[d]) * bf16_to_f32(kr[d]);
+      exact[j] = s * a_.scale;
+      mx = std::max(mx, exact[j]);
+    }
+    float l = 0.0f;
+    for (int j = 0; j < it.k; ++j) l += (exact[j] = std::exp(exact[j] - mx));
+    for (int d = 0; d < D_; ++d) dst[d] = 0.0f;
+    for (int j = 0; j < it.k; ++j) {
+      const int pos = sel[j];
+      const uint16_t* vr = v_slab(it.r, it.h, pos / P_) + static_cast<int64_t>(pos % P_) * D_;
+      for (int d = 0; d < D_; ++d) dst[d] += exact[j] / l * bf16_to_f32(vr[d]);
+    }
+  }
+}
+
+int Selection::run(Runtime& rt) {
+  ThreadPool& pool = *rt.pool;
+  const int T = pool.size();
+  if (int rc = plan(T); rc != HERALD_OK) return rc;
+  work_.resize(static_cast<size_t>(T));
+  int max_item_pages = 0;
+  for (const Item& it : items_) max_item_pages = std::max(max_item_pages, it.npages);
+  if (!tiles_) {
+    pool.run([&](int tid) {
+      Arena& ar = rt.arenas[tid];
+      ar.reset(arena_bytes(max_item_pages) + unit_bytes(max_item_pages));
+      Work& w = work_[tid];
+      w = carve(ar, max_item_pages);
+      float* e = ar.take<float>(static_cast<size_t>(max_item_pages) * Qn_ * Pp_);
+      float* st = ar.take<float>(static_cast<size_t>(2) * max_item_pages * Qn_);
+      for (;;) {
+        const int idx = next_.fetch_add(1);
+        if (idx >= static_cast<int>(order_.size()) || err_code_.load() != 0) break;
+        Unit& u = units_[order_[idx]];
+        u.e = e;
+        u.st = st;
+        if (!scan(u, w)) break;
+        rank(u, w);
+        finish(order_[idx], w);
+      }
+    });
+  } else {
+    pool.run([&](int tid) {  // A: scan this thread's tiles
+      int pages = 0;
+      size_t bytes = 0;
+      for (int ui : units_of_thread_[tid]) {
+        pages += units_[ui].pg1 - units_[ui].pg0;
+        bytes += unit_bytes(units_[ui].pg1 - units_[ui].pg0);
+      }
+      Arena& ar = rt.arenas[tid];
+      ar.reset(arena_bytes(std::max(pages, 1)) + bytes);
+      Work& w = work_[tid];
+      w = carve(ar, std::max(pages, 1));
+      for (int ui : units_of_thread_[tid]) {
+        Unit& u = units_[ui];
+        u.e = ar.take<float>(static_cast<size_t>(u.pg1 - u.pg0) * Qn_ * Pp_);
+        u.st = ar.take<float>(static_cast<size_t>(2) * (u.pg1 - u.pg0) * Qn_);
+        if (!scan(u, w)) return;
+      }
+    });
+    if (err_code_.load() == 0) {
+      pool.run([&](int tid) {  // B: rank tiles (and full-mode P @ V) where they were scanned
+        for (int ui : units_of_thread_[tid]) rank(units_[ui], work_[tid]);
+      });
+      pool.run([&](int tid) {  // C: merge and finish items
+        for (;;) {
+          const int idx = next_.fetch_add(1);
+          if (idx >= static_cast<int>(items_.size())) break;
+          finish(idx, work_[tid]);
+        }
+      });
+    }
+  }
+  if (err_code_.load() != 0) {
+    set_last_error(err_msg_);
+    return err_code_.load();
+  }
+  return HERALD_OK;
+}
+
+}  // namespace
+}  // namespace herald
+
+extern "C" int32_t herald_select_topk(const herald_select_args* a) {
+  using namespace herald;
+  if (a->n_req < 1 || a->n_q < 1 || a->num_kv_heads < 1 || a->num_heads % a->num_kv_heads != 0 ||
+      a->head_dim < 1 || a->page_size < 1 || a->max_pages < 1 || a->num_threads < 1 ||
+      a->page_size > (1 << 20)) {
+    set_last_error("select_topk: invalid sizes");
+    return HERALD_EINVAL;
+  }
+  const bool simd_ok = avx512_kernels() != nullptr && cpu_has_avx512bf16() && a->head_dim % 32 == 0;
+  if ((a->isa == 1 || a->isa == 3) && !simd_ok) {
+    set_last_error("select_topk: the AVX-512 BF16 path was requested but "
+                   "this CPU lacks AVX-512 BF16 or head_dim is not a multiple of 32");
+    return HERALD_EINVAL;
+  }
+  const Kernels& kern = a->isa == 3 && simd_ok   ? *avx512bf16_kernels()
+                        : a->isa != 2 && simd_ok ? *avx512_kernels()
+                                                 : portable_kernels();
+  try {
+    std::unique_lock<std::mutex> lock;
+    Runtime& rt = acquire_runtime(a->num_threads, &lock);
+    Selection sel(*a, kern);
+    return sel.run(rt);
+  } catch (const std::exception& e) {
+    set_last_error(std::string("select_topk: internal error: ") + e.what());
+    return HERALD_EINTERNAL;
+  }
+}

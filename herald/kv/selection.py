@@ -1,0 +1,285 @@
+"""CPU KV selection: fused exact attention + top-k per KV head, and the gather of the selected rows.
+
+The retrieval stream's CPU step (DESIGN §3, paper §IV-B4). For each request of a batch and each KV
+head it scans the request's prefix K (and V in ``full`` mode) in the CPU full KV pool once, keeps
+the scores in a per-thread buffer, ranks positions by the softmax-normalised importance summed over
+the G query heads of the group and the n_q queries, and returns the top-k positions with the
+attention output. :func:`gather_selected` then copies the selected K/V rows of one layer into one
+contiguous (pinned) staging buffer laid out as the GPU sparse pool expects, for one async copy.
+
+Backends: the native C++ library (herald/csrc via :mod:`herald.kv._kernel`; AVX-512 BF16 where the
+CPU has it, else a portable path) or, if it cannot be built or loaded, the PyTorch implementation
+in :mod:`herald.kv.selection_ref` (one warning). Environment switches, read at every call:
+
+- ``HERALD_SELECTION_BACKEND`` = ``auto`` (default) | ``native`` (error if unavailable) | ``torch``
+- ``HERALD_SELECTION_ISA`` = ``auto`` | ``avx512`` (fp32 FMA) | ``avx512bf16`` (vdpbf16ps) |
+  ``portable``; the two AVX-512 choices raise ValueError on a CPU without AVX-512 BF16. ``auto``
+  takes ``avx512``: on Sapphire/Emerald Rapids vdpbf16ps zmm has half the multiply-add rate of
+  fp32 FMA (measured), so bf16 is widened to fp32 once per element instead.
+- ``HERALD_SELECTION_THREADS``: default thread count (else the CPUs this process may run on)
+- ``HERALD_SELECTION_SCHEDULE`` = ``auto`` | ``items`` | ``tiles`` (testing/benchmarking)
+- ``HERALD_SELECTION_PREFETCH`` = ``none`` | ``t0:N`` | ``t1:N`` | ``nta:N`` (hint, pages ahead)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+import torch
+
+from herald.kv import _kernel
+from herald.kv.selection_ref import (
+    NonFiniteScoreError,
+    SelectionResult,
+    check_gather_inputs,
+    check_selection_inputs,
+    gather_selected_torch,
+    select_topk_torch,
+)
+
+__all__ = [
+    "NonFiniteScoreError",
+    "SelectionResult",
+    "default_num_threads",
+    "gather_selected",
+    "kernel_info",
+    "select_topk",
+]
+
+_ISA = {"auto": 0, "avx512": 1, "portable": 2, "avx512bf16": 3}
+_SCHEDULE = {"auto": 0, "items": 1, "tiles": 2}
+_PREFETCH_HINT = {"none": 0, "t0": 1, "t1": 2, "nta": 3}
+DEFAULT_PREFETCH = "t0:1"
+_warned = False
+
+
+def _env_choice(name: str, choices: dict[str, int] | tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; expected one of {', '.join(choices)}")
+    return value
+
+
+def _prefetch() -> tuple[int, int]:
+    spec = os.environ.get("HERALD_SELECTION_PREFETCH", DEFAULT_PREFETCH).strip().lower()
+    hint, _, dist = spec.partition(":")
+    if hint not in _PREFETCH_HINT or (dist and not dist.isdigit()):
+        raise ValueError(f"HERALD_SELECTION_PREFETCH={spec!r}; expected none or t0|t1|nta:PAGES")
+    return _PREFETCH_HINT[hint], max(1, int(dist or 1))
+
+
+def default_num_threads() -> int:
+    """``HERALD_SELECTION_THREADS`` if set, else the number of CPUs this process may use."""
+    if env := os.environ.get("HERALD_SELECTION_THREADS"):
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _threads(num_threads: int | None) -> int:
+    n = default_num_threads() if num_threads is None else num_threads
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    return n
+
+
+def _native() -> _kernel.NativeLibrary | None:
+    """The native library per HERALD_SELECTION_BACKEND, or None to use PyTorch."""
+    global _warned
+    backend = _env_choice("HERALD_SELECTION_BACKEND", ("auto", "native", "torch"), "auto")
+    if backend == "torch":
+        return None
+    lib = _kernel.load_native()
+    if lib is None:
+        if backend == "native":
+            raise RuntimeError(
+                f"HERALD_SELECTION_BACKEND=native but the selection library is unavailable: "
+                f"{_kernel.unavailable_reason()}"
+            )
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                "herald: native CPU selection kernel unavailable "
+                f"({_kernel.unavailable_reason()}); using the much slower PyTorch implementation",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return lib
+
+
+def _ptr(t: torch.Tensor, ctype: type) -> ctypes._Pointer:  # type: ignore[type-arg]
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctype))
+
+
+def select_topk(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    budget_tokens: torch.Tensor,
+    *,
+    output_mode: str = "full",
+    return_importance: bool = False,
+    num_threads: int | None = None,
+) -> SelectionResult:
+    """Exact attention over each request's prefix and the top-k positions per KV head.
+
+    Args (all CPU tensors; DESIGN §3, paper §IV-B4):
+        q: [n_req, n_q, num_heads, head_dim] bf16, any strides. n_q = 1 (representative query)
+            up to the block size. Query head ``h * G + g`` belongs to KV head ``h``
+            (G = num_heads // num_kv_heads).
+        k_pages, v_pages: [num_pages, num_kv_heads, page_size, head_dim] bf16, one layer of the
+            CPU full KV pool; each [page_size, head_dim] slab contiguous, same strides for both.
+        page_table: [n_req, max_pages] int32 page ids. Logical position s of request r is slot
+            ``s % page_size`` of page ``page_table[r, s // page_size]``; only the first
+            ``ceil(seq_lens[r] / page_size)`` entries are read (a draft block is one more page).
+        seq_lens: [n_req] int32, S >= 1 tokens (the last page may be partial).
+        budget_tokens: [n_req] int32 >= 1, k per KV head; k >= S selects all S positions.
+        output_mode: ``"full"``: exact softmax attention over all S keys (reads K and V).
+            ``"selected"``: softmax attention restricted to the selected rows, i.e. what the
+            sparse attention computes (reads K, and V only at the selected rows).
+        return_importance: also return the importance vectors.
+        num_threads: worker threads (default :func:`default_num_threads`).
+
+    Importance of position s for KV head h: ``sum_{q,g} exp(score[q,g,s] - m[q,g]) / l[q,g]`` over
+    the n_q queries and the G query heads of the group, score = q.k * head_dim**-0.5, m and l the
+    softmax max and normaliser over all S positions. Top-k by importance; ties go to the smaller
+    position. The native path computes in float32 (bf16 products accumulated in float32).
+
+    Returns:
+        :class:`SelectionResult`: indices [n_req, num_kv_heads, k_max] int32 ascending, -1 padded
+        (k_max = max_r num_selected[r]); num_selected [n_req] int32 = min(budget, S);
+        attn_output [n_req, n_q, num_heads, head_dim] float32; importance
+        [n_req, num_kv_heads, max S] float32 (0 past S) or None.
+
+    Raises:
+        TypeError / ValueError: wrong type, dtype, device, shape, stride, page id or size (the
+            message names the argument). NonFiniteScoreError (a ValueError): NaN/inf in q or K.
+        RuntimeError: HERALD_SELECTION_BACKEND=native and the library is unavailable.
+    """
+    sh = check_selection_inputs(
+        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode
+    )
+    n = _threads(num_threads)
+    lib = _native()
+    if lib is None:
+        with _torch_threads(n):
+            return select_topk_torch(
+                q, k_pages, v_pages, page_table, seq_lens, budget_tokens,
+                output_mode=output_mode, return_importance=return_importance,
+                compute_dtype=torch.float32,
+            )  # fmt: skip
+    isa = _env_choice("HERALD_SELECTION_ISA", _ISA, "auto")
+    hint, dist = _prefetch()
+    schedule = _env_choice("HERALD_SELECTION_SCHEDULE", _SCHEDULE, "auto")
+    q = q.contiguous()
+    page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
+    budget_tokens = budget_tokens.contiguous()
+    indices = torch.empty(sh.n_req, sh.num_kv_heads, sh.k_max, dtype=torch.int32)
+    num_selected = torch.empty(sh.n_req, dtype=torch.int32)
+    out = torch.empty(sh.n_req, sh.n_q, sh.num_heads, sh.head_dim, dtype=torch.float32)
+    imp = None
+    if return_importance:
+        imp = torch.empty(sh.n_req, sh.num_kv_heads, sh.s_max, dtype=torch.float32)
+    u16, i32, f32 = ctypes.c_uint16, ctypes.c_int32, ctypes.c_float
+    args = _kernel.SelectArgs(
+        n_req=sh.n_req, n_q=sh.n_q, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads,
+        head_dim=sh.head_dim, page_size=sh.page_size, max_pages=sh.max_pages, k_max=sh.k_max,
+        s_max=sh.s_max, output_mode=0 if output_mode == "full" else 1, isa=_ISA[isa],
+        num_threads=n, schedule=_SCHEDULE[schedule],
+        prefetch_hint=hint, prefetch_distance=dist, num_pages=sh.num_pages,
+        page_stride=k_pages.stride(0), head_stride=k_pages.stride(1), scale=sh.head_dim**-0.5,
+        q=_ptr(q, u16), k_pages=_ptr(k_pages, u16), v_pages=_ptr(v_pages, u16),
+        page_table=_ptr(page_table, i32), seq_lens=_ptr(seq_lens, i32),
+        budget=_ptr(budget_tokens, i32), indices=_ptr(indices, i32),
+        num_selected=_ptr(num_selected, i32), attn_output=_ptr(out, f32),
+        importance=_ptr(imp, f32) if imp is not None else None,
+    )  # fmt: skip
+    _kernel.check(lib, lib.lib.herald_select_topk(ctypes.byref(args)), "select_topk")
+    return SelectionResult(indices, num_selected, out, imp)
+
+
+def gather_selected(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    indices: torch.Tensor,
+    num_selected: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Copy the selected K and V rows of one layer into the staging layout of the GPU sparse pool.
+
+    Args (CPU tensors; DESIGN §3):
+        k_pages, v_pages: [num_pages, num_kv_heads, page_size, head_dim] bf16 (as select_topk).
+        page_table: [n_req, max_pages] int32.
+        indices: [n_req, num_kv_heads, k_max] int32 logical positions (SelectionResult.indices).
+        num_selected: [n_req] int32, each in [0, k_max].
+        out: contiguous [2, n_req, num_kv_heads, k_max, head_dim] bf16, typically pinned; a new
+            (unpinned) tensor if None.
+
+    Returns ``out``: out[0] the K rows, out[1] the V rows; row j of (r, h) is logical position
+    indices[r, h, j]. Rows j >= num_selected[r] are left untouched (not zeroed).
+    NOTE: ``out`` is written by CPU threads before this returns; the caller must not reuse a
+    staging buffer while an async H2D copy from it may still be running (wait on its event).
+
+    Raises TypeError / ValueError on bad types, shapes or out-of-range indices / page ids.
+    """
+    n_req, hkv, k_max, d = check_gather_inputs(
+        k_pages, v_pages, page_table, indices, num_selected, out
+    )
+    n = _threads(num_threads)
+    lib = _native()
+    if lib is None:
+        return gather_selected_torch(k_pages, v_pages, page_table, indices, num_selected, out)
+    if out is None:
+        out = torch.empty(2, n_req, hkv, k_max, d, dtype=torch.bfloat16)
+    page_table, indices = page_table.contiguous(), indices.contiguous()
+    num_selected = num_selected.contiguous()
+    u16, i32 = ctypes.c_uint16, ctypes.c_int32
+    args = _kernel.GatherArgs(
+        n_req=n_req, num_kv_heads=hkv, head_dim=d, page_size=k_pages.shape[2],
+        max_pages=page_table.shape[1], k_max=k_max, num_threads=n, num_pages=k_pages.shape[0],
+        page_stride=k_pages.stride(0), head_stride=k_pages.stride(1),
+        k_pages=_ptr(k_pages, u16), v_pages=_ptr(v_pages, u16), page_table=_ptr(page_table, i32),
+        indices=_ptr(indices, i32), num_selected=_ptr(num_selected, i32), out=_ptr(out, u16),
+    )  # fmt: skip
+    _kernel.check(lib, lib.lib.herald_gather_selected(ctypes.byref(args)), "gather_selected")
+    return out
+
+
+class _torch_threads:
+    """Run a block with torch.get_num_threads() == n (the fallback honours num_threads)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.old = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.old)
+
+
+def kernel_info() -> dict[str, object]:
+    """Which backend and ISA a call would use now, and where the library came from."""
+    lib = None
+    if os.environ.get("HERALD_SELECTION_BACKEND", "auto") != "torch":
+        lib = _kernel.load_native()
+    isa = os.environ.get("HERALD_SELECTION_ISA", "auto")
+    return {
+        "backend": "native" if lib is not None else "torch",
+        "library": lib.path if lib else None,
+        "origin": lib.origin if lib else None,
+        "cpu_avx512bf16": lib.has_avx512bf16 if lib else None,
+        "isa": (isa if isa != "auto" else "avx512") if lib and lib.has_avx512bf16 else "portable",
+        "unavailable_reason": _kernel.unavailable_reason() or None,
+        "num_threads": default_num_threads(),
+        "prefetch": os.environ.get("HERALD_SELECTION_PREFETCH", DEFAULT_PREFETCH),
+    }
