@@ -18,6 +18,7 @@ import torch
 
 from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
+from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.request import Request
 from herald.kv.dense_cache import DenseAttention, DenseKVCache
 from herald.models.base import BlockDiffusionLM
@@ -38,17 +39,6 @@ class EngineStats:
     num_nonfinite_steps: int = 0
 
 
-@dataclass
-class _CapturedForward:
-    """A CUDA graph of one B-token forward at a fixed (batch size, block start)."""
-
-    key: tuple[int, int]
-    graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    hidden: torch.Tensor
-
-
 class DenseEngine:
     """Block-diffusion decoding over a dense KV cache.
 
@@ -61,9 +51,8 @@ class DenseEngine:
         check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
         random_prefill: fill the prompt's KV with random values instead of running the prompt
             forward (decode-throughput benchmarks only: decode speed does not depend on values).
-        use_cuda_graph: on CUDA, replay the denoising forward from a CUDA graph whenever every
-            running request is at the same position (one capture per block, reused by its T
-            denoising steps and the commit forward); eager otherwise.
+        use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
+            captured once per batch size (:mod:`herald.engine.cuda_graph`).
 
     Raises:
         ValueError from :meth:`add_request` when a request cannot fit (``max_seq_len``).
@@ -97,7 +86,7 @@ class DenseEngine:
         self.check_finite = check_finite
         self.random_prefill = random_prefill
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
-        self._graph: _CapturedForward | None = None
+        self._graphs: dict[int, PiecewiseGraphForward] = {}
         self._graph_warm = False
 
     # -- requests -------------------------------------------------------------------------------
@@ -181,46 +170,19 @@ class DenseEngine:
         self, input_ids: torch.Tensor, positions: torch.Tensor, starts: list[int]
     ) -> torch.Tensor:
         """One B-token forward of every running request; final-normed hidden [bs, B, H]."""
-        b = self.config.block_size
-        uniform = all(s == starts[0] for s in starts)
-        if not (self.use_cuda_graph and uniform):
-            self.attn.prepare(starts, b)
-            return self.model(input_ids, positions, self.attn)
-        key = (len(starts), starts[0])
-        if self._graph is None or self._graph.key != key:
-            self._graph = None  # free the previous block's graph and its memory pool first
-            self._graph = self._capture(key, input_ids, positions, starts)
-        g = self._graph
-        # NOTE: the static inputs are overwritten on the current stream, in order after the
-        # previous replay that read them; the replay below is ordered after these copies.
-        g.input_ids.copy_(input_ids)
-        g.positions.copy_(positions)
-        g.graph.replay()
-        return g.hidden
-
-    def _capture(
-        self,
-        key: tuple[int, int],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        starts: list[int],
-    ) -> _CapturedForward:
-        ids, pos = input_ids.clone(), positions.clone()
         self.attn.prepare(starts, self.config.block_size)
-        if not self._graph_warm:
-            # cuBLAS / cuDNN handles and workspaces must exist before capture. The warm-up
-            # forward writes this block's K/V at its own positions, exactly what the replay
-            # writes again, so it changes nothing.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.model(ids, pos, self.attn)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            self._graph_warm = True
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            hidden = self.model(ids, pos, self.attn)
-        return _CapturedForward(key, graph, ids, pos, hidden)
+        if not self.use_cuda_graph:
+            return self.model(input_ids, positions, self.attn)
+        bs = len(starts)
+        runner = self._graphs.get(bs)
+        if runner is None:
+            if not self._graph_warm:
+                # cuBLAS / cuDNN handles and workspaces must exist before any capture: run one
+                # eager forward first (it is this step's real forward).
+                self._graph_warm = True
+                return self.model(input_ids, positions, self.attn)
+            runner = self._graphs[bs] = PiecewiseGraphForward(self.model, bs, len(input_ids[0]))
+        return runner.forward(input_ids, positions, self.attn)
 
     def generate(
         self,
