@@ -85,7 +85,10 @@ class DenseEngine:
         self.stats = EngineStats()
         self.check_finite = check_finite
         self.random_prefill = random_prefill
-        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
+        # The MoE reference path (non-bf16 MoE models) synchronises with the host and cannot be
+        # captured; only the grouped_mm path (bf16 on CUDA) is graph-safe.
+        graph_safe = not config.is_moe or self.dtype == torch.bfloat16
+        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and graph_safe
         self._graphs: dict[int, PiecewiseGraphForward] = {}
         self._graph_warm = False
 

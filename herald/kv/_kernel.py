@@ -30,9 +30,9 @@ ABI_VERSION = 3  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection
 
 OK, EINVAL, ENONFINITE, EINTERNAL = 0, 1, 2, 3
 
-_c_u16p = ctypes.POINTER(ctypes.c_uint16)
-_c_i32p = ctypes.POINTER(ctypes.c_int32)
-_c_f32p = ctypes.POINTER(ctypes.c_float)
+# Pointer fields are declared void* and set from tensor.data_ptr() (plain ints: cheaper than
+# ctypes.cast). The C side reads them with the types of herald_selection.h.
+_c_u16p = _c_i32p = _c_f32p = ctypes.c_void_p
 
 
 class SelectArgs(ctypes.Structure):

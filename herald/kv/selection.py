@@ -111,10 +111,6 @@ def _native() -> _kernel.NativeLibrary | None:
     return lib
 
 
-def _ptr(t: torch.Tensor, ctype: type) -> ctypes._Pointer:  # type: ignore[type-arg]
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctype))
-
-
 def select_topk(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -162,11 +158,12 @@ def select_topk(
             message names the argument). NonFiniteScoreError (a ValueError): NaN/inf in q or K.
         RuntimeError: HERALD_SELECTION_BACKEND=native and the library is unavailable.
     """
+    lib = _native()
+    # the native kernel validates page ids itself (cheaper than torch ops here)
     sh = check_selection_inputs(
-        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode
+        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode, lib is None
     )
     n = _threads(num_threads)
-    lib = _native()
     if lib is None:
         with _torch_threads(n):
             return select_topk_torch(
@@ -186,7 +183,6 @@ def select_topk(
     imp = None
     if return_importance:
         imp = torch.empty(sh.n_req, sh.num_kv_heads, sh.s_max, dtype=torch.float32)
-    u16, i32, f32 = ctypes.c_uint16, ctypes.c_int32, ctypes.c_float
     args = _kernel.SelectArgs(
         n_req=sh.n_req, n_q=sh.n_q, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads,
         head_dim=sh.head_dim, page_size=sh.page_size, max_pages=sh.max_pages, k_max=sh.k_max,
@@ -194,11 +190,11 @@ def select_topk(
         num_threads=n, schedule=_SCHEDULE[schedule],
         prefetch_hint=hint, prefetch_distance=dist, num_pages=sh.num_pages,
         page_stride=k_pages.stride(0), head_stride=k_pages.stride(1), scale=sh.head_dim**-0.5,
-        q=_ptr(q, u16), k_pages=_ptr(k_pages, u16), v_pages=_ptr(v_pages, u16),
-        page_table=_ptr(page_table, i32), seq_lens=_ptr(seq_lens, i32),
-        budget=_ptr(budget_tokens, i32), indices=_ptr(indices, i32),
-        num_selected=_ptr(num_selected, i32), attn_output=_ptr(out, f32),
-        importance=_ptr(imp, f32) if imp is not None else None,
+        q=q.data_ptr(), k_pages=k_pages.data_ptr(), v_pages=v_pages.data_ptr(),
+        page_table=page_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
+        budget=budget_tokens.data_ptr(), indices=indices.data_ptr(),
+        num_selected=num_selected.data_ptr(), attn_output=out.data_ptr(),
+        importance=imp.data_ptr() if imp is not None else None,
     )  # fmt: skip
     _kernel.check(lib, lib.lib.herald_select_topk(ctypes.byref(args)), "select_topk")
     return SelectionResult(indices, num_selected, out, imp)
@@ -242,13 +238,12 @@ def gather_selected(
         out = torch.empty(2, n_req, hkv, k_max, d, dtype=torch.bfloat16)
     page_table, indices = page_table.contiguous(), indices.contiguous()
     num_selected = num_selected.contiguous()
-    u16, i32 = ctypes.c_uint16, ctypes.c_int32
     args = _kernel.GatherArgs(
         n_req=n_req, num_kv_heads=hkv, head_dim=d, page_size=k_pages.shape[2],
         max_pages=page_table.shape[1], k_max=k_max, num_threads=n, num_pages=k_pages.shape[0],
         page_stride=k_pages.stride(0), head_stride=k_pages.stride(1),
-        k_pages=_ptr(k_pages, u16), v_pages=_ptr(v_pages, u16), page_table=_ptr(page_table, i32),
-        indices=_ptr(indices, i32), num_selected=_ptr(num_selected, i32), out=_ptr(out, u16),
+        k_pages=k_pages.data_ptr(), v_pages=v_pages.data_ptr(), page_table=page_table.data_ptr(),
+        indices=indices.data_ptr(), num_selected=num_selected.data_ptr(), out=out.data_ptr(),
     )  # fmt: skip
     _kernel.check(lib, lib.lib.herald_gather_selected(ctypes.byref(args)), "gather_selected")
     return out

@@ -104,8 +104,13 @@ def check_selection_inputs(
     seq_lens: object,
     budget_tokens: object,
     output_mode: str,
+    check_page_ids: bool = True,
 ) -> SelectionShapes:
-    """Validates ``select_topk`` arguments; raises TypeError/ValueError naming the argument."""
+    """Validates ``select_topk`` arguments; raises TypeError/ValueError naming the argument.
+
+    ``check_page_ids=False`` skips the range check of the used page_table entries (the native
+    kernel performs it itself).
+    """
     q = _tensor(q, "q", torch.bfloat16, 4, "[n_req, n_q, num_heads, head_dim] bfloat16")
     k, _ = check_pages(k_pages, v_pages)
     n_req, n_q, num_heads, head_dim = q.shape
@@ -134,7 +139,8 @@ def check_selection_inputs(
             )
         if b < 1:
             raise ValueError(f"budget_tokens[{r}] = {b} must be >= 1")
-    _check_page_ids(pt, (sl + page_size - 1) // page_size, num_pages)
+    if check_page_ids:
+        _check_page_ids(pt, (sl + page_size - 1) // page_size, num_pages)
     num_selected = [min(s, b) for s, b in zip(lens, budgets, strict=True)]
     return SelectionShapes(
         n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, num_pages, max_pages,
