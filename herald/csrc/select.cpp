@@ -426,7 +426,10 @@ void Selection::finish(int item_index, Work& w) {
 int Selection::run(Runtime& rt) {
   ThreadPool& pool = *rt.pool;
   const int T = pool.size();
-  if (int rc = plan(T); rc != HERALD_OK) return rc;
+  if (int rc = plan(T); rc != HERALD_OK) {
+    set_last_error(err_msg_);
+    return rc;
+  }
   work_.resize(static_cast<size_t>(T));
   int max_item_pages = 0;
   for (const Item& it : items_) max_item_pages = std::max(max_item_pages, it.npages);
