@@ -13,9 +13,8 @@
 #include "selection.h"
 
 #if defined(__clang__)
-#define HERALD_AVX512_BEGIN                                                                      \
-  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,"   \
-          "avx512bf16,fma\"))), apply_to = function)")
+// (_Pragma takes one string literal, hence the long line)
+#define HERALD_AVX512_BEGIN _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma\"))), apply_to = function)")
 #define HERALD_AVX512_END _Pragma("clang attribute pop")
 #else
 #define HERALD_AVX512_BEGIN \

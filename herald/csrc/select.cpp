@@ -40,8 +40,9 @@ struct Unit {
   int cand_n = 0;
 };
 
-// Per-thread slices of the arena (taken once per call, in the first phase).
-struct Work {
+// Per-thread slices of the arena (taken once per call, in the first phase). Cache-line aligned:
+// threads write rows[] in their inner loops, so neighbours in work_ must not share a line.
+struct alignas(64) Work {
   float *sbuf, *imp, *o, *wsel, *m, *l, *lsel;
   void *kt, *qprep, *pvscratch;
   uint16_t* qraw;

@@ -270,3 +270,12 @@ def test_forced_isa_errors_on_bad_head_dim(monkeypatch: pytest.MonkeyPatch) -> N
     inp = make_inputs(18, [50], [5], head_dim=40)
     with pytest.raises(ValueError, match="AVX-512"):
         select_topk(*inp.args())
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_large_score_buffer(isa: str) -> None:
+    """n_q = 32 over 10K keys: the per-item score buffer (5 MiB) takes the streaming-store path."""
+    inp = make_inputs(31, [10_000], [500], n_q=32, num_kv_heads=1, group=4, q_scale=1.0)
+    for mode in ("full", "selected"):
+        res = select_topk(*inp.args(), output_mode=mode, num_threads=2)
+        check_selection(res, reference(inp, mode), inp, mode)
