@@ -279,3 +279,21 @@ def test_large_score_buffer(isa: str) -> None:
     for mode in ("full", "selected"):
         res = select_topk(*inp.args(), output_mode=mode, num_threads=2)
         check_selection(res, reference(inp, mode), inp, mode)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_selected_rows_far_from_a_heads_attention(isa: str) -> None:
+    """Query head 1 attends only to position 40, the budget keeps only position 7 (head 0's
+    focus): head 1's probabilities on the selected row underflow in float32, and its selected-mode
+    output must still be the softmax over the selected row, i.e. V[7]."""
+    inp = make_inputs(32, [64], [1], num_kv_heads=1, group=2, q_scale=0.01)
+    inp.k_pages.mul_(0.01)
+    e1, e2 = torch.zeros(128), torch.zeros(128)
+    e1[0], e2[1] = 10.0, 10.0
+    p0, p1 = int(inp.page_table[0, 0]), int(inp.page_table[0, 1])
+    inp.k_pages[p0, 0, 7], inp.k_pages[p1, 0, 8] = e1.bfloat16(), e2.bfloat16()  # pos 7, pos 40
+    inp.q[0, 0, 0], inp.q[0, 0, 1] = (e1 * 21).bfloat16(), (e2 * 20).bfloat16()
+    res = select_topk(*inp.args(), output_mode="selected")
+    assert res.indices.tolist() == [[[7]]]
+    assert torch.allclose(res.attn_output[0, 0, 1], inp.v_pages[p0, 0, 7].float())
+    check_selection(res, reference(inp, "selected"), inp, "selected")
