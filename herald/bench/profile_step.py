@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +36,41 @@ def sdpa_probe(bs: int, hkv: int, g: int, s: int, d: int = 128) -> None:
         )
 
 
+def moe_probe(
+    tokens: int = 1024, top_k: int = 8, e: int = 256, h: int = 2048, i: int = 512
+) -> None:
+    """grouped_mm on the two weight layouts: [E, N, K] viewed transposed vs [E, K, N] contiguous."""
+    x = torch.randn(tokens * top_k, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    wt = w.transpose(1, 2).contiguous()
+    counts = torch.full((e,), tokens * top_k // e, dtype=torch.int32, device="cuda")
+    offs = counts.cumsum(0, dtype=torch.int32)
+    for name, b in (("transposed view", w.transpose(1, 2)), ("contiguous [E,K,N]", wt)):
+        for _ in range(3):
+            torch._grouped_mm(x, b, offs=offs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch._grouped_mm(x, b, offs=offs)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / 20
+        print(f"grouped_mm gate_up {name}: {dt * 1e3:.3f} ms, {w.numel() * 2 / dt / 1e12:.2f} TB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llada2-mini")
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=None, help="write the full profile table here")
     args = ap.parse_args()
     model, config, _ = load_model(
         args.preset, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
     )
     sdpa_probe(args.batch, config.num_kv_heads, config.num_queries_per_kv, args.context)
+    if config.is_moe:
+        moe_probe()
     eng = DenseEngine(
         model,
         config,
