@@ -88,9 +88,12 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
         torch.cuda.synchronize()
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=110
     )
+    if args.out:
+        Path(args.out).write_text(table)
+    print(table[:6000])
     t = eng.stats.step_seconds[-args.steps :]
     print(f"step wall ms: {[round(x * 1e3, 1) for x in t]}")
 
