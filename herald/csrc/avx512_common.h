@@ -90,11 +90,13 @@ inline void transpose16(__m512i r[16]) {
 
 // Load rows [0, rows) of a 16 x 32-bf16 block (row stride D elements), zeros past `rows`;
 // transposed, so r[j] holds the bf16 pair (2j, 2j+1) of the block for the 16 rows.
-template <bool FULL>
+// DC: the row stride as a compile-time constant (0: use D), which frees the address registers.
+template <bool FULL, int DC = 0>
 inline void load_transposed(const uint16_t* src, int D, int rows, __m512i r[16]) {
+  const int stride = DC != 0 ? DC : D;
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i)
-    r[i] = (FULL || i < rows) ? _mm512_loadu_si512(src + i * D) : _mm512_setzero_si512();
+    r[i] = (FULL || i < rows) ? _mm512_loadu_si512(src + i * stride) : _mm512_setzero_si512();
   transpose16(r);
 }
 

@@ -33,7 +33,10 @@ void prep_q(const uint16_t* q, int Qn, int D, void* out) {
 // Few query rows (Qn <= kDotMaxRows): no transpose. Each (query, key) pair gets one accumulator
 // of 16 partial dot products over the whole D; 16 of them (QB queries x 16/QB keys) are summed
 // horizontally by one reduction tree. Cheaper than the transpose when few queries share a key.
-constexpr int kDotMaxRows = 8;
+#ifndef HERALD_DOT_MAX_ROWS
+#define HERALD_DOT_MAX_ROWS 4  // measured crossover: 4 rows dot-path, 8 rows transposed
+#endif
+constexpr int kDotMaxRows = HERALD_DOT_MAX_ROWS;
 
 // Lane k of the result = sum of the 16 lanes of acc[k] (46 instructions, 30 of them shuffles).
 inline __m512 reduce16(const __m512 acc[16]) {
@@ -60,10 +63,11 @@ inline __m512 reduce16(const __m512 acc[16]) {
 }
 
 // Scores of QB query rows (split-order qs) against R = 16 / QB keys starting at row s0.
-template <int QB, bool FULL>
-inline void score_dot(const uint16_t* k, int nr, const float* qs, int D, float scale,
+template <int QB, bool FULL, int DC>
+inline void score_dot(const uint16_t* k, int nr, const float* qs, int Drt, float scale,
                       float* sbuf, int Pp, int s0) {
   constexpr int R = 16 / QB;
+  const int D = DC != 0 ? DC : Drt;
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -97,10 +101,14 @@ void score_dot_rows(const PageScoreArgs& a, const float* qs, int q0, int* line, 
   constexpr int R = 16 / QB;
   const int groups = (a.n + R - 1) / R, per = (lines + groups - 1) / (groups > 0 ? groups : 1);
   for (int s0 = 0; s0 < a.n; s0 += R) {
-    if (s0 + R <= a.n) {
-      score_dot<QB, true>(a.k, R, qs + q0 * a.D, a.D, a.scale, a.sbuf + q0 * a.Pp, a.Pp, s0);
+    const float* q = qs + q0 * a.D;
+    float* sb = a.sbuf + q0 * a.Pp;
+    if (s0 + R <= a.n && a.D == 128) {
+      score_dot<QB, true, 128>(a.k, R, q, a.D, a.scale, sb, a.Pp, s0);
+    } else if (s0 + R <= a.n) {
+      score_dot<QB, true, 0>(a.k, R, q, a.D, a.scale, sb, a.Pp, s0);
     } else {
-      score_dot<QB, false>(a.k, a.n - s0, qs + q0 * a.D, a.D, a.scale, a.sbuf + q0 * a.Pp, a.Pp, s0);
+      score_dot<QB, false, 0>(a.k, a.n - s0, q, a.D, a.scale, sb, a.Pp, s0);
     }
     if (q0 == 0)
       for (int x = 0; x < per && *line < lines; ++x, ++*line)
@@ -109,10 +117,10 @@ void score_dot_rows(const PageScoreArgs& a, const float* qs, int q0, int* line, 
 }
 
 // kf[32c + 2j][16 rows] = even element of pair j, kf[32c + 2j + 1] = odd element.
-template <bool FULL>
+template <bool FULL, int DC>
 inline void transpose_block(const uint16_t* src, int D, int rows, float* dst, int Pp) {
   __m512i r[16];
-  load_transposed<FULL>(src, D, rows, r);
+  load_transposed<FULL, DC>(src, D, rows, r);
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
@@ -178,10 +186,12 @@ bool score_page(const PageScoreArgs& a) {
     for (int c = 0; c < D / 32; ++c) {
       const uint16_t* src = a.k + b * kLanes * D + 32 * c;
       float* dst = kf + 32 * c * Pp + b * kLanes;
-      if (rows == kLanes) {
-        transpose_block<true>(src, D, rows, dst, Pp);
+      if (rows == kLanes && D == 128) {
+        transpose_block<true, 128>(src, D, rows, dst, Pp);
+      } else if (rows == kLanes) {
+        transpose_block<true, 0>(src, D, rows, dst, Pp);
       } else {
-        transpose_block<false>(src, D, rows, dst, Pp);
+        transpose_block<false, 0>(src, D, rows, dst, Pp);
       }
       prefetch_some(a, &line, lines);
     }
