@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -259,7 +260,7 @@ class Workload:
         pt = torch.randperm(num_pages, generator=g)[: n_req * npg].view(n_req, npg).int()
         q = torch.randn(n_req, n_q, hkv * grp, d, generator=g).bfloat16()
         sl = torch.full((n_req,), s, dtype=torch.int32)
-        bt = torch.full((n_req,), max(1, round(BUDGET * s)), dtype=torch.int32)
+        bt = torch.full((n_req,), math.ceil(BUDGET * s), dtype=torch.int32)  # DESIGN §3
         k_bytes = n_req * hkv * s * d * 2
         return {
             "args": (q, k, v, pt, sl, bt),

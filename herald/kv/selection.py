@@ -7,9 +7,11 @@ the G query heads of the group and the n_q queries, and returns the top-k positi
 attention output. :func:`gather_selected` then copies the selected K/V rows of one layer into one
 contiguous (pinned) staging buffer laid out as the GPU sparse pool expects, for one async copy.
 
-Backends: the native C++ library (herald/csrc via :mod:`herald.kv._kernel`; AVX-512 BF16 where the
-CPU has it, else a portable path) or, if it cannot be built or loaded, the PyTorch implementation
-in :mod:`herald.kv.selection_ref` (one warning). Environment switches, read at every call:
+Backends: the native C++ library (herald/csrc via :mod:`herald.kv._kernel`; AVX-512 kernels where
+the CPU has AVX-512 BF16, else a portable path) or, if it cannot be built or loaded, the PyTorch
+implementation in :mod:`herald.kv.selection_ref` (one warning). The native kernel threads over
+(request, KV head) items, or over tiles of S when items are fewer than threads; its threads sleep
+between calls. Environment switches, read at every call:
 
 - ``HERALD_SELECTION_BACKEND`` = ``auto`` (default) | ``native`` (error if unavailable) | ``torch``
 - ``HERALD_SELECTION_ISA`` = ``auto`` | ``avx512`` (fp32 FMA) | ``avx512bf16`` (vdpbf16ps) |
