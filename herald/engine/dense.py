@@ -90,7 +90,7 @@ class DenseEngine:
         graph_safe = not config.is_moe or self.dtype == torch.bfloat16
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda" and graph_safe
         self._graphs: dict[int, PiecewiseGraphForward] = {}
-        self._graph_warm = False
+        self._eager_batch_sizes: set[int] = set()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -179,10 +179,11 @@ class DenseEngine:
         bs = len(starts)
         runner = self._graphs.get(bs)
         if runner is None:
-            if not self._graph_warm:
-                # cuBLAS / cuDNN handles and workspaces must exist before any capture: run one
-                # eager forward first (it is this step's real forward).
-                self._graph_warm = True
+            if bs not in self._eager_batch_sizes:
+                # NOTE: one eager forward at each new batch size before capturing it: cuBLAS /
+                # cuDNN handles and workspaces, and torch.compile's kernels for this shape
+                # (herald.layers.fusion), must exist before capture. It is this step's forward.
+                self._eager_batch_sizes.add(bs)
                 return self.model(input_ids, positions, self.attn)
             runner = self._graphs[bs] = PiecewiseGraphForward(self.model, bs, len(input_ids[0]))
         return runner.forward(input_ids, positions, self.attn)

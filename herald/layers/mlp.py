@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from herald.layers.fusion import cuda_compiled
+
 
 class SwiGLUMLP(nn.Module):
     """Dense SwiGLU MLP: [..., hidden] -> [..., hidden], no biases, model dtype throughout."""
@@ -33,5 +35,11 @@ class SwiGLUMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+@cuda_compiled
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I]: ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -30,12 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from herald.layers.mlp import SwiGLUMLP
+from herald.layers.fusion import cuda_compiled
+from herald.layers.mlp import SwiGLUMLP, swiglu
 
 MoEImpl = Literal["auto", "reference", "grouped_mm"]
 MOE_IMPLS: tuple[str, ...] = ("auto", "reference", "grouped_mm")
 
 
+@cuda_compiled
 def route_tokens(
     router_logits: torch.Tensor,
     expert_bias: torch.Tensor,
@@ -119,8 +121,7 @@ def experts_grouped_mm(
     counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)  # end row of each expert's group
     gate_up = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs)  # [T*K, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    ys = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)  # [T*K, H]
+    ys = torch._grouped_mm(swiglu(gate_up), w_down.transpose(1, 2), offs=offs)  # [T*K, H]
     # Unsort with a row gather (index_select) rather than a scatter of [T*K, H] rows.
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
@@ -230,7 +231,7 @@ class SparseMoE(nn.Module):
         )
         experts = experts_grouped_mm if use_grouped else experts_reference
         y = experts(flat, idx, self.experts_gate_up, self.experts_down)  # [T, K, H]
-        out = (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        out = combine_experts(y, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
@@ -240,3 +241,9 @@ class SparseMoE(nn.Module):
             f"experts={self.num_experts}, top_k={self.top_k}, groups={self.n_group}/"
             f"{self.topk_group}, scale={self.routed_scaling_factor}, impl={self.impl}"
         )
+
+
+@cuda_compiled
+def combine_experts(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, K, H] expert outputs, [T, K] float32 weights -> [T, H], summed in float32 (§2.2)."""
+    return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from herald.layers.fusion import cuda_compiled
 
+
+@cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim of ``x`` and scale by ``weight``.
 

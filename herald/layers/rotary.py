@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from herald.layers.fusion import cuda_compiled
+
 
 def rope_inv_freq(
     rotary_dim: int, base: float, device: torch.device | str | None = None
@@ -29,6 +31,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [..., d]: ``cat(-x[..., d/2:], x[..., :d/2])`` (pairs (i, i + d/2))."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@cuda_compiled
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Look up cos/sin for ``positions`` ([bs, L]) in the fp32 tables and rotate q and k."""
+    cos = cos_table[positions].to(q.dtype).unsqueeze(2)  # [bs, L, 1, rotary_dim]
+    sin = sin_table[positions].to(q.dtype).unsqueeze(2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,9 +124,7 @@ class RotaryEmbedding(nn.Module):
         Returns:
             (q, k) rotated, same shapes and dtype.
         """
-        cos = self.cos_table[positions].to(q.dtype).unsqueeze(2)  # [bs, L, 1, rotary_dim]
-        sin = self.sin_table[positions].to(q.dtype).unsqueeze(2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rope_qk(q, k, positions, self.cos_table, self.sin_table)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, base={self.base}, max_positions={self.max_positions}"

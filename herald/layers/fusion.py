@@ -1,0 +1,45 @@
+"""Kernel fusion for the small element-wise functions of a forward (GPU only).
+
+A long-context denoising forward spends a third of its GPU time outside GEMMs and attention, in
+dozens of tiny element-wise kernels (RMSNorm's five, RoPE's eight, the MoE router and combine).
+:func:`cuda_compiled` runs such a pure function through ``torch.compile`` (Inductor fuses it into
+one or a few Triton kernels) when its first argument is a CUDA tensor, and calls it eagerly
+otherwise: CPU runs, tests and CI never compile. The math is the function's own, op for op.
+
+Set ``HERALD_COMPILE=0`` to disable. NOTE: the first call with a new shape compiles; engines make
+that happen in an eager warm-up forward, never inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def compile_enabled() -> bool:
+    return os.environ.get("HERALD_COMPILE", "1") != "0"
+
+
+def cuda_compiled(fn: F) -> F:
+    """Decorator: ``torch.compile(fn)`` for CUDA inputs (first argument), ``fn`` otherwise."""
+    compiled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        first = args[0]
+        if not (isinstance(first, torch.Tensor) and first.is_cuda and compile_enabled()):
+            return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, fullgraph=True)
+        return compiled(*args, **kwargs)
+
+    return cast(F, wrapper)
