@@ -21,6 +21,8 @@ import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_RECOMPILE_LIMIT = 64
+
 
 def compile_enabled() -> bool:
     return os.environ.get("HERALD_COMPILE", "1") != "0"
@@ -39,7 +41,12 @@ def cuda_compiled(fn: F) -> F:
         if torch.compiler.is_compiling():
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, fullgraph=True)
+            # Each model config (dims, eps, expert counts) and dtype is its own specialisation;
+            # a process that builds many models (tests) needs more than the default 8. Past the
+            # limit Dynamo runs the function eagerly instead of failing (no fullgraph=True).
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
+            compiled = torch.compile(fn)
         return compiled(*args, **kwargs)
 
     return cast(F, wrapper)
