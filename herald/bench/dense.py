@@ -81,11 +81,73 @@ def run_case(
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "kv_cache_gib": engine.cache.num_bytes / 2**30,
         "steps_per_block": reqs[0].steps_per_block,
+        "mean_forward_ms": statistics.fmean(fwd) * 1e3,
+        "forward_ms": [round(x * 1e3, 2) for x in fwd],
     }
     del engine, reqs
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def write_report(json_path: Path) -> Path:
+    """Write README.md next to ``json_path``: the table, the paper's figures, and the analysis."""
+    import json
+
+    d = json.loads(json_path.read_text())
+    m = d["machine"]
+    cap = d.get("gpu_memory_cap_gb")
+    lines = [
+        "# Dense decode throughput (issue 2)",
+        "",
+        f"`{d['command']}` on {m['date_utc']}: {m.get('gpu')} ({m.get('gpu_memory_gib')} GiB"
+        f"{f', capped at {cap} GB' if cap else ''}), {m.get('cpu_model')} x{m.get('cpu_count')}, "
+        f"torch {m['torch']}, CUDA {m.get('cuda')}.",
+        "",
+        "Full-size architectures with random bf16 weights; B = 32, fixed T = 20 denoising steps "
+        "per block plus one commit forward, EOS ignored, real prefill of random-token prompts "
+        "(excluded from decode time). Decode tokens/s = generated tokens / decode wall time after "
+        "a warm-up at the same batch size (CUDA-graph capture); steady = batch x B / (21 x median "
+        "forward).",
+        "",
+        "| model | context | batch | decode tok/s | steady tok/s | paper Dense (H100) | ratio "
+        "| median forward ms | prefill tok/s | peak GPU GiB | KV GiB | non-finite |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in d["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['preset']} | {r['context']} | {r['batch']} | {r['status']} |")
+            continue
+        lines.append(
+            f"| {r['preset']} | {r['context']} | {r['batch']} | {r['decode_tokens_per_s']:.0f} "
+            f"| {r['steady_tokens_per_s']:.0f} | {r['paper_h100_tokens_per_s']:.0f} "
+            f"| {r['ratio_vs_paper']:.2f}x | {r['median_forward_ms']:.1f} "
+            f"| {r['prefill_tokens_per_s']:.0f} | {r['peak_gpu_memory_gib']:.1f} "
+            f"| {r['kv_cache_gib']:.1f} | {r['nonfinite_forwards']} |"
+        )
+    lines += ["", ANALYSIS]
+    out = json_path.parent / "README.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+ANALYSIS = """## Against the target
+
+The target is at least the paper's Dense figures (SGLang + FlashInfer + CUDA graphs on an H100).
+SDAR-8B-Chat meets it at 16K (1.10x) and is within 2% at 32K (0.98x). LLaDA2.0-mini reaches
+0.81-0.82x: **missed by 18-19%**.
+
+Where a LLaDA2.0-mini forward goes (profile, batch 32 x 16K, `python -m herald.bench.profile_step`,
+before the element-wise fusion; per forward): the MoE expert GEMMs (`torch._grouped_mm`, all 256
+experts' weights read every forward, 1.6 GB/layer) take ~10.5 ms at ~3.1 TB/s, exact attention
+(cuDNN) ~5.4 ms, which is at the HBM floor for 21 GB of K/V; the rest was ~14 ms of small kernels.
+`torch.compile` fusion of RMSNorm, RoPE, SwiGLU and the MoE router/combine cut the forward from
+~31 to ~25 ms. What remains is the grouped GEMM running at ~70% of HBM bandwidth (a fused MoE
+kernel that reads each expert's weights once at full bandwidth would save ~3 ms), the fp32 router
+GEMM (kept fp32 as the model specifies), the sampling pass over 157K-vocabulary fp32 logits, and the
+21st (commit) forward per block, which the paper's SGLang path may fold into the next block's first
+step (we do not know; it would be worth 5%).
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-gb", type=float, default=None, help="cap GPU memory (GB)")
     ap.add_argument("--only", default=None, help="comma list of presets to run")
     ap.add_argument("--contexts", default=None, help="comma list of contexts to run")
+    ap.add_argument("--report", type=Path, default=None, help="only rewrite README.md from JSON")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        print(f"wrote {write_report(args.report)}")
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     cap_gpu_memory(args.gpu_memory_gb)
@@ -145,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     name = "dense" if args.gpu_memory_gb is None else f"dense_cap{int(args.gpu_memory_gb)}gb"
     write_json(args.out / f"{name}.json", payload)
+    write_report(args.out / f"{name}.json")
     print("\npreset        context  batch  tok/s  paper  ratio  fwd_ms  peakGiB")
     for r in results:
         if r["status"] == "ok":

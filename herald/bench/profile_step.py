@@ -36,6 +36,36 @@ def sdpa_probe(bs: int, hkv: int, g: int, s: int, d: int = 128) -> None:
         )
 
 
+def new_shape_probe(bs: int = 32, hkv: int = 4, g: int = 4, s0: int = 16384) -> None:
+    """First-call vs repeat time of folded SDPA as the KV length grows by one block, per backend.
+
+    cuDNN builds an execution plan per new shape; a decode step sees a new KV length every block.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(bs, hkv, g * 32, 128, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(bs, hkv, s0 + 4096, 128, device="cuda", dtype=torch.bfloat16)
+    for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+        times = []
+        try:
+            with sdpa_kernel(backend):
+                for i in range(1, 6):
+                    k = big[:, :, : s0 + 32 * i]
+                    for _rep in range(2):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        F.scaled_dot_product_attention(q, k, k)
+                        torch.cuda.synchronize()
+                        times.append(round((time.perf_counter() - t0) * 1e3, 3))
+            print(f"sdpa {name}: first/repeat ms per new length: {times}")
+        except RuntimeError as e:
+            print(f"sdpa {name}: unavailable ({str(e)[:80]})")
+
+
 def moe_probe(
     tokens: int = 1024, top_k: int = 8, e: int = 256, h: int = 2048, i: int = 512
 ) -> None:
@@ -64,7 +94,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=None, help="write the full profile table here")
+    ap.add_argument("--probe-only", action="store_true", help="only the SDPA new-shape probe")
     args = ap.parse_args()
+    if args.probe_only:
+        new_shape_probe()
+        return
     model, config, _ = load_model(
         args.preset, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
     )
