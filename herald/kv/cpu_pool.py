@@ -1,0 +1,343 @@
+"""The CPU full KV pool: every prefix token's K and V for the offloaded layers (DESIGN §2).
+
+Owns one CPU allocation ``[num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]`` (K at
+index 0, V at 1), allocated once at start-up and, when CUDA is available, pinned with
+``cudaHostRegister`` in chunks of <= 16 GiB (:mod:`herald.kv.pinned`; device.md: 14x faster than
+``pin_memory=True``, which also rounds sizes up to a power of two), plus the page allocator that
+hands pages to requests.
+
+A page holds one diffusion block (``page_size`` = block size B) for every layer: block i of a
+request (absolute positions ``[i*B, (i+1)*B)``) lives in the request's i-th page. Layers are the
+pool's own indices ``0..num_layers-1``; the engine maps model layers onto them (the first two model
+layers stay dense on the GPU, so model layer l >= 2 is pool layer l - 2).
+
+Data in: prompt KV copied layer by layer at prefill, each block's clean KV from the commit forward
+(and the draft KV) via :meth:`CpuKVPool.write_block`. Data out: :meth:`k_pages` / :meth:`v_pages`
+plus :meth:`page_table` feed the CPU selection kernel (:func:`herald.kv.selection.select_topk`)
+and the gather of the selected rows, run on the retrieval worker thread; the allocator is guarded
+by a lock for that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from types import TracebackType
+
+import torch
+
+from herald.kv.pinned import register_pinned, unregister_pinned
+
+__all__ = ["CpuKVPool", "CpuPoolFullError"]
+
+_GIB = 1 << 30
+
+
+class CpuPoolFullError(RuntimeError):
+    """Not enough free pages in the CPU KV pool; nothing was allocated."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(
+            f"CPU KV pool full: needs {needed} free page(s), {free} free; enlarge the pool "
+            "(--cpu-kv-gb) or admit fewer/shorter requests"
+        )
+        self.needed, self.free = needed, free
+
+
+class CpuKVPool:
+    """One CPU tensor holding K/V pages of all offloaded layers, and a thread-safe page allocator.
+
+    Args:
+        num_layers: offloaded layers held (pool layer indices ``0..num_layers-1``).
+        num_kv_heads, head_dim: the model's KV heads and head dimension.
+        page_size: tokens per page = the diffusion block size B.
+        num_pages: pages to allocate (>= 1); each page covers all layers, K and V.
+        dtype: element type (bf16, what the selection kernel reads).
+        pin: ``None`` = pin iff CUDA is available; ``True`` requires CUDA; ``False`` = pageable.
+
+    Raises:
+        ValueError: a non-positive size. RuntimeError: ``pin=True`` without CUDA, or
+        ``cudaHostRegister`` failing (the message has the CUDA error code; nothing stays
+        registered). The CPU allocator's own error when the memory is not there.
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+    ) -> None:  # fmt: skip
+        dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        for name, value in {**dims, "page_size": page_size, "num_pages": num_pages}.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        elif pin and not torch.cuda.is_available():
+            raise RuntimeError("CpuKVPool(pin=True) needs CUDA; pass pin=None or False")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.num_pages, self.dtype = page_size, num_pages, dtype
+        shape = (num_layers, 2, num_pages, num_kv_heads, page_size, head_dim)
+        t0 = time.perf_counter()
+        # Pageable memory, touched once (zero_ runs on torch's intra-op threads): every page is
+        # faulted in before registration, and a never-written slot reads as 0, not NaN garbage.
+        self._storage: torch.Tensor | None = torch.empty(shape, dtype=dtype).zero_()
+        self.alloc_seconds = time.perf_counter() - t0
+        self.nbytes = self._storage.nbytes  # bytes of the whole pool
+        self.bytes_per_page = self.nbytes // num_pages  # K and V of page_size tokens, all layers
+        self.capacity_tokens = num_pages * page_size
+        self._registered: list[int] = []  # base addresses passed to cudaHostRegister
+        self.pin_seconds = 0.0
+        if pin:
+            t0 = time.perf_counter()
+            self._registered = register_pinned(self._storage)
+            self.pin_seconds = time.perf_counter() - t0
+        self._lock = threading.Lock()
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ...
+        self._pages: dict[str, list[int]] = {}
+
+    # ---- sizing -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_gib(
+        cls, gib: float, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+    ) -> CpuKVPool:  # fmt: skip
+        """The largest pool of at most ``gib`` GiB (2**30 bytes); ValueError if < 1 page."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_page = num_layers * 2 * num_kv_heads * page_size * head_dim * itemsize
+        num_pages = int(gib * _GIB) // per_page
+        if num_pages < 1:
+            raise ValueError(f"{gib} GiB holds no page of {per_page} bytes")
+        return cls(num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin)
+
+    @classmethod
+    def from_tokens(
+        cls, tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+    ) -> CpuKVPool:  # fmt: skip
+        """A pool of ``ceil(tokens / page_size)`` pages (capacity rounded up to whole pages)."""
+        if tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {tokens}")
+        num_pages = math.ceil(tokens / page_size)
+        return cls(num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin)
+
+    @property
+    def num_free_pages(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._registered)
+
+    def pages_for_tokens(self, tokens: int) -> int:
+        """Pages needed to hold ``tokens`` positions (``ceil(tokens / page_size)``)."""
+        return -(-tokens // self.page_size)
+
+    def describe(self) -> str:
+        """One line for the start-up log: size, capacity in tokens, allocation and pin times."""
+        how = f"pinned in {len(self._registered)} chunk(s)" if self.pinned else "not pinned"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"CPU KV pool: {self.nbytes / _GIB:.2f} GiB {how}, {self.num_pages} pages x "
+            f"{self.page_size} tokens = {self.capacity_tokens} tokens ({self.num_layers} layers x "
+            f"{self.num_kv_heads} KV heads x {self.head_dim} {dtype}); "
+            f"alloc+touch {self.alloc_seconds:.2f} s, pin {self.pin_seconds:.2f} s"
+        )
+
+    # ---- storage ----------------------------------------------------------------------------
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The whole pool ``[num_layers, 2, num_pages, Hkv, page_size, D]``; error after close()."""
+        if self._storage is None:
+            raise RuntimeError("CpuKVPool is closed")
+        return self._storage
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """View ``[num_pages, Hkv, page_size, D]`` of K for pool layer ``layer`` (no copy).
+
+        Each ``[page_size, D]`` slab is contiguous and K/V views have equal strides, as
+        :func:`herald.kv.selection.select_topk` requires. IndexError for a layer out of range.
+        """
+        return self._kv(layer, 0)
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        """View ``[num_pages, Hkv, page_size, D]`` of V for pool layer ``layer`` (no copy)."""
+        return self._kv(layer, 1)
+
+    def _kv(self, layer: int, kv: int) -> torch.Tensor:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"pool layer {layer} outside [0, {self.num_layers})")
+        return self.storage[layer, kv]
+
+    def close(self) -> None:
+        """Unregister the pinned memory (once) and drop the pool's reference to it.
+
+        Views returned earlier stay valid CPU memory but are no longer pinned.
+        """
+        if self._registered:
+            # NOTE: a non_blocking copy may still be reading or writing pinned pages; unregistering
+            # under it is undefined, so wait for all device work first.
+            torch.cuda.synchronize()
+            unregister_pinned(self._registered)
+        self._storage = None
+
+    def __enter__(self) -> CpuKVPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: CUDA may already be gone
+            self.close()
+
+    # ---- page allocator (thread-safe) -------------------------------------------------------
+
+    def _take(self, num_pages: int) -> list[int]:  # caller holds the lock
+        if num_pages > len(self._free):
+            raise CpuPoolFullError(num_pages, len(self._free))
+        taken = self._free[len(self._free) - num_pages :][::-1]
+        del self._free[len(self._free) - num_pages :]
+        return taken
+
+    def allocate(self, request_id: str, num_pages: int) -> list[int]:
+        """Give ``request_id`` its first ``num_pages`` (>= 1) pages; returns their ids.
+
+        All or nothing. Raises CpuPoolFullError (pool unchanged) when too few pages are free,
+        ValueError if ``request_id`` already holds pages or ``num_pages`` < 1.
+        """
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        with self._lock:
+            if request_id in self._pages:
+                raise ValueError(f"request {request_id!r} already holds CPU KV pages")
+            self._pages[request_id] = taken = self._take(num_pages)
+            return list(taken)
+
+    def extend(self, request_id: str, num_pages: int) -> list[int]:
+        """Append ``num_pages`` (>= 0) pages to ``request_id``'s pages; returns the new ids.
+
+        All or nothing. Raises CpuPoolFullError (pool unchanged), KeyError for an unknown id.
+        """
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        with self._lock:
+            owned = self._owned(request_id)
+            taken = self._take(num_pages)
+            owned.extend(taken)
+            return taken
+
+    def free(self, request_id: str) -> None:
+        """Return all of ``request_id``'s pages. KeyError if it holds none (a double free is a bug
+        in the caller; use ``request_id in pool`` to check first)."""
+        with self._lock:
+            self._free.extend(reversed(self._owned(request_id)))
+            del self._pages[request_id]
+
+    def _owned(self, request_id: str) -> list[int]:  # caller holds the lock
+        try:
+            return self._pages[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} holds no CPU KV pages") from None
+
+    def __contains__(self, request_id: object) -> bool:
+        with self._lock:
+            return request_id in self._pages
+
+    def pages(self, request_id: str) -> list[int]:
+        """A copy of ``request_id``'s page ids in block order; KeyError for an unknown id."""
+        with self._lock:
+            return list(self._owned(request_id))
+
+    def can_allocate(self, num_pages: int) -> bool:
+        with self._lock:
+            return num_pages <= len(self._free)
+
+    def page_table(self, request_ids: list[str], max_pages: int | None = None) -> torch.Tensor:
+        """``[len(request_ids), max_pages]`` int32 CPU page table for the selection kernel.
+
+        Row r lists request r's pages in block order; columns past them repeat its first page (a
+        valid id: the kernel reads only the first ``ceil(S / page_size)`` entries). ``max_pages``
+        defaults to the most pages any of them holds. Raises KeyError for an unknown id,
+        ValueError if a request holds more than ``max_pages`` pages.
+        """
+        with self._lock:
+            rows = [list(self._owned(r)) for r in request_ids]
+        width = max((len(p) for p in rows), default=1) if max_pages is None else max_pages
+        table = torch.empty(len(rows), width, dtype=torch.int32)
+        for r, (rid, ids) in enumerate(zip(request_ids, rows, strict=True)):
+            if len(ids) > width:
+                raise ValueError(f"request {rid!r} holds {len(ids)} pages > max_pages={width}")
+            table[r] = torch.tensor(ids + [ids[0]] * (width - len(ids)), dtype=torch.int32)
+        return table
+
+    # ---- moving KV --------------------------------------------------------------------------
+
+    def _page(self, request_id: str, block_index: int) -> int:
+        with self._lock:
+            owned = self._owned(request_id)
+            if not 0 <= block_index < len(owned):
+                raise IndexError(
+                    f"block {block_index} of request {request_id!r}: it holds {len(owned)} pages"
+                )
+            return owned[block_index]
+
+    def write_block(
+        self, layer: int, request_id: str, block_index: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Copy one block's K and V ``[Hkv, n, D]`` (n <= page_size, slots ``[0, n)``; dtype of
+        the pool; CPU or CUDA) into page ``block_index`` of ``request_id`` at pool ``layer``.
+
+        Raises KeyError (unknown id), IndexError (no such page), ValueError/TypeError (shape,
+        dtype).
+        """
+        shape = (self.num_kv_heads, k.shape[1] if k.dim() == 3 else -1, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != shape or not 1 <= shape[1] <= self.page_size:
+                raise ValueError(
+                    f"{name} must be [Hkv={self.num_kv_heads}, n<={self.page_size}, "
+                    f"D={self.head_dim}] like k, got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} must be {self.dtype}, got {t.dtype}")
+        page = self._page(request_id, block_index)
+        n = shape[1]
+        # NOTE: from CUDA into the pinned pool this is an async D2H copy on the current stream
+        # (a full block is one contiguous copy; a partial one goes through torch's blocking
+        # staging). The caller must record an event after it and make every reader of this page
+        # (selection kernel, gather) wait on it, and must neither free the request's pages nor
+        # overwrite the GPU source before the copy completes.
+        non_blocking = k.is_cuda and self.pinned
+        self.k_pages(layer)[page, :, :n].copy_(k, non_blocking=non_blocking)
+        self.v_pages(layer)[page, :, :n].copy_(v, non_blocking=non_blocking)
+
+    def read_tokens(
+        self, layer: int, request_id: str, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``[start, end)`` of ``request_id`` at pool ``layer``, as new
+        contiguous CPU tensors ``[Hkv, end - start, D]`` (tests and debugging; not a fast path).
+
+        Raises KeyError (unknown id), IndexError (range outside the request's pages).
+        """
+        ids = self.pages(request_id)
+        if not 0 <= start <= end <= len(ids) * self.page_size:
+            raise IndexError(
+                f"[{start}, {end}) outside request {request_id!r}'s "
+                f"{len(ids) * self.page_size} positions"
+            )
+        pos = torch.arange(start, end)
+        page = torch.tensor(ids, dtype=torch.long)[pos // self.page_size]
+        slot = pos % self.page_size
+        k = self.k_pages(layer)[page, :, slot].transpose(0, 1).contiguous()  # [n, Hkv, D] -> ...
+        v = self.v_pages(layer)[page, :, slot].transpose(0, 1).contiguous()
+        return k, v

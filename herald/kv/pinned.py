@@ -1,0 +1,67 @@
+"""Page-locking an existing CPU tensor with ``cudaHostRegister``, in chunks (device.md, DESIGN §2).
+
+``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator: slow for
+100 GB-class buffers (64 GiB in 50 s on the GPU machine) and rounded up to a power of two. Instead
+the owner allocates pageable memory, touches it, and registers it here (96 GiB in ~5 s). Used by the
+CPU full KV pool (:mod:`herald.kv.cpu_pool`); any large staging buffer can use it too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["REGISTER_CHUNK_BYTES", "register_pinned", "unregister_pinned"]
+
+_GIB = 1 << 30
+REGISTER_CHUNK_BYTES = 16 * _GIB  # device.md: measured with chunks of 16 GiB
+
+
+def register_pinned(tensor: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTES) -> list[int]:
+    """Register a contiguous CPU tensor's memory with CUDA; returns the registered base addresses.
+
+    Chunks are at most ``chunk_bytes`` (a multiple of 4096) and their inner boundaries are
+    multiples of it, so no OS page is registered twice. The tensor must stay alive until
+    :func:`unregister_pinned` has been called on the returned list.
+
+    Raises:
+        ValueError: not a contiguous CPU tensor, or a bad ``chunk_bytes``.
+        RuntimeError: a ``cudaHostRegister`` error (its code in the message); chunks registered
+            before it are unregistered again.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("register_pinned needs a contiguous CPU tensor")
+    if chunk_bytes < 4096 or chunk_bytes % 4096:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
+    cudart = torch.cuda.cudart()
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    registered: list[int] = []
+    addr = start
+    while addr < end:
+        nxt = min(end, (addr // chunk_bytes + 1) * chunk_bytes)
+        rc = int(cudart.cudaHostRegister(addr, nxt - addr, 0))
+        if rc != 0:
+            unregister_pinned(registered)
+            raise RuntimeError(
+                f"cudaHostRegister of {(nxt - addr) / _GIB:.2f} GiB at offset "
+                f"{(addr - start) / _GIB:.2f} GiB of a {(end - start) / _GIB:.2f} GiB buffer "
+                f"failed with CUDA error {rc} (too little lockable memory? see ulimit -l)"
+            )
+        registered.append(addr)
+        addr = nxt
+    return registered
+
+
+def unregister_pinned(addresses: list[int]) -> None:
+    """``cudaHostUnregister`` each address from :func:`register_pinned`, then empty the list.
+
+    The caller must make sure no asynchronous copy still uses the memory. RuntimeError with the
+    CUDA error codes if any call failed (all are attempted; the list is emptied regardless).
+    """
+    if not addresses:
+        return
+    cudart = torch.cuda.cudart()
+    errors = [rc for a in addresses if (rc := int(cudart.cudaHostUnregister(a))) != 0]
+    addresses.clear()
+    if errors:
+        raise RuntimeError(f"cudaHostUnregister failed with CUDA error(s) {errors}")

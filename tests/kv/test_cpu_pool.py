@@ -1,0 +1,342 @@
+"""CpuKVPool: sizing, views, page allocator (errors, no leak, threads), page tables, KV moves."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
+from herald.kv.pinned import register_pinned, unregister_pinned
+from herald.kv.selection import select_topk
+
+L, HKV, D, P = 3, 2, 8, 4  # pool layers, KV heads, head_dim, page_size (= block size)
+
+
+def make_pool(num_pages: int = 10) -> CpuKVPool:
+    return CpuKVPool(L, HKV, D, P, num_pages, pin=False)
+
+
+def rand_block(n: int = P) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(HKV, n, D).bfloat16(), torch.randn(HKV, n, D).bfloat16()
+
+
+def test_sizing_and_describe() -> None:
+    pool = make_pool(10)
+    assert pool.bytes_per_page == L * 2 * HKV * P * D * 2
+    assert pool.nbytes == 10 * pool.bytes_per_page == pool.storage.nbytes
+    assert pool.storage.shape == (L, 2, 10, HKV, P, D) and pool.storage.dtype == torch.bfloat16
+    assert pool.capacity_tokens == 40 and pool.num_free_pages == 10 and pool.num_used_pages == 0
+    assert pool.pages_for_tokens(9) == 3 and pool.pages_for_tokens(8) == 2
+    gib = 25 * pool.bytes_per_page / 2**30 + 1e-12
+    assert CpuKVPool.from_gib(gib, L, HKV, D, P, pin=False).num_pages == 25
+    assert CpuKVPool.from_tokens(41, L, HKV, D, P, pin=False).num_pages == 11
+    line = pool.describe()
+    assert "GiB" in line and "40 tokens" in line and "pin 0.00 s" in line and "\n" not in line
+    with pytest.raises(ValueError, match="num_pages"):
+        CpuKVPool(L, HKV, D, P, 0)
+    with pytest.raises(ValueError, match="holds no page"):
+        CpuKVPool.from_gib(1e-9, L, HKV, D, P)
+
+
+def test_views_share_memory_and_match_kernel_layout() -> None:
+    pool = make_pool()
+    for layer in range(L):
+        k, v = pool.k_pages(layer), pool.v_pages(layer)
+        assert k.shape == v.shape == (10, HKV, P, D)
+        assert k.data_ptr() == pool.storage[layer, 0].data_ptr()
+        assert v.data_ptr() == pool.storage[layer, 1].data_ptr()
+        assert k.stride() == v.stride() and k[0, 0].is_contiguous()
+        x = torch.randn(P, D).bfloat16()
+        k[3, 1] = x
+        assert torch.equal(pool.storage[layer, 0, 3, 1], x)
+    with pytest.raises(IndexError):
+        pool.k_pages(L)
+
+
+def test_allocate_extend_free_and_errors() -> None:
+    pool = make_pool(10)
+    assert pool.allocate("a", 3) == [0, 1, 2]
+    assert pool.allocate("b", 2) == [3, 4] and "b" in pool and "z" not in pool
+    with pytest.raises(ValueError, match="already holds"):
+        pool.allocate("a", 1)
+    with pytest.raises(ValueError):
+        pool.allocate("c", 0)
+    assert pool.can_allocate(5) and not pool.can_allocate(6)
+    with pytest.raises(CpuPoolFullError, match="needs 6 free page") as err:
+        pool.allocate("c", 6)
+    assert (err.value.needed, err.value.free) == (6, 5)
+    assert "c" not in pool and pool.num_free_pages == 5  # nothing changed
+    assert pool.extend("a", 2) == [5, 6] and pool.pages("a") == [0, 1, 2, 5, 6]
+    with pytest.raises(CpuPoolFullError):
+        pool.extend("a", 4)
+    assert pool.pages("a") == [0, 1, 2, 5, 6] and pool.num_free_pages == 3
+    assert pool.extend("a", 0) == []
+    with pytest.raises(KeyError, match="holds no CPU KV pages"):
+        pool.extend("zz", 1)
+    pool.free("a")
+    with pytest.raises(KeyError, match="holds no CPU KV pages"):
+        pool.free("a")
+    assert pool.num_used_pages == 2
+    pool.free("b")
+    assert pool.num_used_pages == 0 and pool.num_free_pages == 10
+    assert sorted(pool.allocate("d", 10)) == list(range(10))  # every page came back
+    pool.free("d")
+    assert pool.num_used_pages == 0
+
+
+def test_page_table_layout_and_padding() -> None:
+    pool = make_pool(10)
+    pool.allocate("a", 1)
+    pool.allocate("b", 3)
+    pool.extend("a", 2)  # a: [0, 4, 5], b: [1, 2, 3]
+    pool.allocate("c", 1)  # c: [6]
+    pt = pool.page_table(["c", "a", "b"])
+    assert pt.dtype == torch.int32 and pt.device.type == "cpu"
+    assert pt.tolist() == [[6, 6, 6], [0, 4, 5], [1, 2, 3]]
+    assert pool.page_table(["a"], max_pages=5).tolist() == [[0, 4, 5, 0, 0]]
+    with pytest.raises(ValueError, match="max_pages"):
+        pool.page_table(["a"], max_pages=2)
+    with pytest.raises(KeyError):
+        pool.page_table(["a", "nope"])
+
+
+def test_write_read_round_trip_across_pages() -> None:
+    pool = make_pool(12)
+    pool.allocate("a", 1)
+    pool.allocate("b", 2)
+    pool.extend("a", 2)  # a's pages are not contiguous: [0, 3, 4]
+    ref: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in range(L):
+        for rid, nblocks in (("a", 3), ("b", 2)):
+            blocks = [rand_block() for _ in range(nblocks)]
+            for i, (k, v) in enumerate(blocks):
+                pool.write_block(layer, rid, i, k, v)
+            ref[layer, rid] = (
+                torch.cat([b[0] for b in blocks], 1),
+                torch.cat([b[1] for b in blocks], 1),
+            )
+    for (layer, rid), (k_ref, v_ref) in ref.items():
+        for start, end in ((0, 4), (2, 9), (0, k_ref.shape[1]), (5, 5)):
+            if end > k_ref.shape[1]:
+                continue
+            k, v = pool.read_tokens(layer, rid, start, end)
+            assert k.shape == (HKV, end - start, D) and k.is_contiguous()
+            assert torch.equal(k, k_ref[:, start:end]) and torch.equal(v, v_ref[:, start:end])
+    # a partial last block lands in slots [0, n) and leaves the rest untouched
+    k, v = rand_block(3)
+    pool.write_block(0, "a", 2, k, v)
+    got_k, got_v = pool.read_tokens(0, "a", 8, 12)
+    assert torch.equal(got_k[:, :3], k) and torch.equal(got_v[:, :3], v)
+    assert torch.equal(got_k[:, 3], ref[0, "a"][0][:, 11])
+
+
+def test_write_read_errors() -> None:
+    pool = make_pool(4)
+    pool.allocate("a", 2)
+    k, v = rand_block()
+    with pytest.raises(IndexError, match="holds 2 pages"):
+        pool.write_block(0, "a", 2, k, v)
+    with pytest.raises(KeyError):
+        pool.write_block(0, "x", 0, k, v)
+    with pytest.raises(ValueError, match="must be"):
+        pool.write_block(0, "a", 0, torch.randn(HKV, P + 1, D).bfloat16(), v)
+    with pytest.raises(ValueError, match="must be"):
+        pool.write_block(0, "a", 0, k, v[:, :2])
+    with pytest.raises(TypeError, match="bfloat16"):
+        pool.write_block(0, "a", 0, k.float(), v.float())
+    with pytest.raises(IndexError, match="outside"):
+        pool.read_tokens(0, "a", 0, 2 * P + 1)
+
+
+def test_selection_kernel_reads_the_pool() -> None:
+    """Exact attention from select_topk over the pool's views equals attention over read_tokens."""
+    pool = make_pool(12)
+    pool.allocate("a", 1)
+    pool.allocate("b", 3)
+    pool.extend("a", 2)
+    seq = {"a": 10, "b": 12}
+    for rid, s in seq.items():
+        for i in range(pool.pages_for_tokens(s)):
+            pool.write_block(1, rid, i, *rand_block())
+    q = torch.randn(2, 1, 2 * HKV, D).bfloat16()
+    res = select_topk(
+        q, pool.k_pages(1), pool.v_pages(1), pool.page_table(["a", "b"]),
+        torch.tensor([10, 12], dtype=torch.int32), torch.tensor([100, 100], dtype=torch.int32),
+    )  # fmt: skip
+    for r, (rid, s) in enumerate(seq.items()):
+        k, v = pool.read_tokens(1, rid, 0, s)
+        kf, vf = k.float().repeat_interleave(2, 0), v.float().repeat_interleave(2, 0)
+        qf = q[r, 0].float()  # [H, D]
+        p = torch.softmax(torch.einsum("hd,hsd->hs", qf, kf) * D**-0.5, -1)
+        torch.testing.assert_close(res.attn_output[r, 0], torch.einsum("hs,hsd->hd", p, vf))
+
+
+def test_concurrent_allocate_free_with_reader() -> None:
+    pool = make_pool(64)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(tag: str, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for i in range(2000):
+                rid = f"{tag}{i % 5}"
+                if rid in pool:
+                    pool.free(rid)
+                else:
+                    try:
+                        pool.allocate(rid, rng.randint(1, 8))
+                        pool.extend(rid, rng.randint(0, 3))
+                    except CpuPoolFullError:
+                        pass
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                with pool._lock:  # a consistent snapshot: no page owned twice, none lost
+                    owned = [p for ids in pool._pages.values() for p in ids]
+                    assert len(set(owned)) == len(owned)
+                    assert sorted(owned + pool._free) == list(range(64))
+                for rid in ("x0", "y1"):
+                    with contextlib.suppress(KeyError):
+                        pt = pool.page_table([rid])
+                        assert ((pt >= 0) & (pt < 64)).all()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t, s)) for t, s in (("x", 1), ("y", 2))]
+    rd = threading.Thread(target=reader)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often so the operations really interleave
+    try:
+        rd.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        rd.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for rid in [r for t in "xy" for r in (f"{t}{i}" for i in range(5)) if r in pool]:
+        pool.free(rid)
+    assert pool.num_used_pages == 0 and sorted(pool._free) == list(range(64))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_no_cuda_means_no_pinning() -> None:
+    pool = CpuKVPool(L, HKV, D, P, 4)  # pin=None: auto
+    assert not pool.pinned and pool.pin_seconds == 0.0 and "not pinned" in pool.describe()
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        CpuKVPool(L, HKV, D, P, 4, pin=True)
+
+
+def test_close_and_context_manager() -> None:
+    with make_pool(4) as pool:
+        view = pool.k_pages(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.k_pages(0)
+    assert view.sum().item() == 0  # views stay valid (zero-filled at start-up)
+    pool.close()  # idempotent
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_2gib_pool() -> None:
+    """2 GiB pinned via cudaHostRegister: pinned, fast H2D, CUDA write_block, unregister once."""
+    hkv, d, page, layers = 4, 128, 32, 16
+    pool = CpuKVPool.from_gib(2.0, layers, hkv, d, page, pin=True)
+    assert pool.pinned and pool.storage.is_pinned() and pool.pin_seconds > 0
+    print(pool.describe())
+    src = pool.storage.view(-1)[: 1 << 29]  # 1 GiB of bf16
+    src.copy_(torch.randn(1 << 20).bfloat16().repeat(512))
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    gbs = src.nbytes / (time.perf_counter() - t0) / 1e9
+    print(f"H2D from the pinned pool: {gbs:.1f} GB/s")
+    assert torch.equal(dst.cpu(), src) and gbs > 15  # pageable is ~7 GB/s (device.md)
+    pool.allocate("r", 2)
+    k = torch.randn(hkv, page, d, device="cuda").bfloat16()
+    v = torch.randn(hkv, page, d, device="cuda").bfloat16()
+    pool.write_block(layers - 1, "r", 1, k, v)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # the fence a reader would wait on
+    got_k, got_v = pool.read_tokens(layers - 1, "r", page, 2 * page)
+    assert torch.equal(got_k, k.cpu()) and torch.equal(got_v, v.cpu())
+    pool.free("r")
+    view = pool.k_pages(0)
+    pool.close()
+    assert not pool.pinned and not view.is_pinned()
+    pool.close()
+
+
+class FakeCudart:
+    """Records cudaHostRegister/Unregister calls; fails the register call number ``fail_at``."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        if len(self.registered) == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_register_chunks_cover_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = torch.empty(100_003, dtype=torch.uint8)
+    chunk = 4 * 4096
+    addrs = register_pinned(t, chunk_bytes=chunk)
+    assert addrs == [p for p, _ in fake.registered]
+    pos = t.data_ptr()
+    for i, (ptr, size) in enumerate(fake.registered):
+        assert ptr == pos and 0 < size <= chunk
+        assert i == 0 or ptr % chunk == 0  # inner boundaries aligned: no OS page twice
+        pos += size
+    assert pos == t.data_ptr() + t.numel()
+    unregister_pinned(addrs)
+    assert fake.unregistered == [p for p, _ in fake.registered] and addrs == []
+
+
+def test_register_failure_unregisters_and_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCudart(fail_at=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with pytest.raises(RuntimeError, match="cudaHostRegister .* CUDA error 2"):
+        register_pinned(torch.empty(100_000, dtype=torch.uint8), chunk_bytes=4 * 4096)
+    assert fake.unregistered == [p for p, _ in fake.registered] and len(fake.registered) == 2
+
+
+def test_pool_pin_path_unregisters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pin=True path with a fake CUDA runtime: registered at start, unregistered once."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    pool = CpuKVPool(L, HKV, D, P, 8, pin=True)
+    assert pool.pinned and len(fake.registered) == 1 and "pinned in 1 chunk" in pool.describe()
+    assert fake.registered[0] == (pool.storage.data_ptr(), pool.nbytes)
+    pool.close()
+    pool.close()
+    del pool
+    assert len(fake.unregistered) == 1
