@@ -15,7 +15,7 @@ extern "C" {
 // The library is built with -fvisibility=hidden; only these entry points are exported.
 #define HERALD_API __attribute__((visibility("default")))
 
-#define HERALD_ABI_VERSION 3
+#define HERALD_ABI_VERSION 4
 
 // Return codes of the entry points; herald_last_error() holds the message.
 #define HERALD_OK 0
@@ -24,11 +24,17 @@ extern "C" {
 #define HERALD_EINTERNAL 3  // allocation failure or other internal error
 
 // Fused attention + top-k selection for a batch of requests of one layer.
+//
+// Positions [0, S) of request r (S = seq_lens[r]) split into the ranked part [0, R) and the tail
+// [R, S), R = S - tail_lens[r] (tail: a draft block that the sparse attention always sees). Softmax
+// statistics and importance cover all S positions; top-k (k = min(budget[r], R), 0 allowed) is taken
+// over the ranked part only, so the tail never appears in `indices`. Selected mode attends over the
+// selected rows and the tail rows.
 typedef struct {
   int32_t n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, max_pages;
-  int32_t k_max;    // columns of `indices` (>= min(budget[r], seq_lens[r]) for every r)
+  int32_t k_max;    // columns of `indices` (>= min(budget[r], seq_lens[r] - tail_lens[r]) for all r)
   int32_t s_max;    // columns of `importance` (>= seq_lens[r] for every r)
-  int32_t output_mode;  // 0: full (attention over all S keys), 1: selected (over the selected rows)
+  int32_t output_mode;  // 0: full (attention over all S keys), 1: selected (selected + tail rows)
   int32_t isa;  // 0: auto, 1: avx512 fp32-FMA, 2: portable, 3: avx512 vdpbf16ps (1, 3: error if unsupported)
   int32_t num_threads;  // >= 1
   int32_t schedule;     // 0: auto, 1: whole (request, KV head) items, 2: tiles of S
@@ -49,6 +55,7 @@ typedef struct {
   int32_t* num_selected;      // out [n_req]
   float* attn_output;         // out [n_req, n_q, num_heads, head_dim]
   float* importance;          // out [n_req, num_kv_heads, s_max] or NULL
+  const int32_t* tail_lens;   // [n_req], 0 <= tail <= S, or NULL (no tail)
 } herald_select_args;
 
 // Copy the selected K and V rows into out[2, n_req, num_kv_heads, k_max, head_dim] (bf16).

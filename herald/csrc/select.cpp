@@ -6,9 +6,11 @@
 //             e = exp(score - page_max) with the page's (max, sum) statistics (per-thread buffer,
 //             so ranking needs no second read of K);
 //   B. rank:  global (m, l) per row from the page statistics, importance
-//             imp[s] = sum_rows exp(score - m) / l, top-k; in full mode also P @ V over all pages;
+//             imp[s] = sum_rows exp(score - m) / l, top-k over the ranked positions [0, R) (the
+//             tail [R, S) is scored and normalised like any key, but never ranked); in full mode
+//             also P @ V over all pages;
 //   C. finish: (tiles only) merge the per-tile top-k; selected mode: P @ V over the selected rows
-//             only, renormalised; write indices / outputs.
+//             and the tail rows only, renormalised; write indices / outputs.
 // Scheduling: whole items over threads (dynamic, longest first) when that balances well;
 // otherwise the pages of all items are cut into one contiguous tile per thread, with barriers
 // between A, B and C (the pool's run() calls). A tile's B runs on the thread that ran its A, so
@@ -28,7 +30,7 @@ namespace herald {
 namespace {
 
 struct Item {
-  int r, h, S, npages, k;  // k = min(budget, S)
+  int r, h, S, R, npages, k;  // R = S - tail: ranked positions [0, R); k = min(budget, R)
   int u0 = 0, nu = 0;      // units of this item: [u0, u0 + nu)
 };
 
@@ -134,13 +136,21 @@ int Selection::plan(int T) {
         return HERALD_EINVAL;
       }
     }
-    const int k = std::min(b, S);
+    const int tail = a.tail_lens != nullptr ? a.tail_lens[r] : 0;
+    if (tail < 0 || tail > S) {
+      fail(HERALD_EINVAL, "tail_lens[" + std::to_string(r) + "] = " + std::to_string(tail) +
+                              " must be in [0, seq_lens[" + std::to_string(r) + "] = " +
+                              std::to_string(S) + "]");
+      return HERALD_EINVAL;
+    }
+    const int R = S - tail;
+    const int k = std::min(b, R);
     if (k > a.k_max || (a.importance != nullptr && S > a.s_max)) {
       fail(HERALD_EINVAL, "k_max or s_max too small for request " + std::to_string(r));
       return HERALD_EINVAL;
     }
     a.num_selected[r] = k;
-    for (int h = 0; h < a.num_kv_heads; ++h) items_.push_back({r, h, S, np, k});
+    for (int h = 0; h < a.num_kv_heads; ++h) items_.push_back({r, h, S, R, np, k});
     total_pages += static_cast<int64_t>(np) * a.num_kv_heads;
     max_pages_item = std::max(max_pages_item, np);
   }
@@ -312,12 +322,14 @@ void Selection::rank(Unit& u, Work& w) {
                    : w.imp;
   kern_.importance(u.e, u.st, Qn_, Pp_, P_, np, last_rows, imp);
   const uint32_t* keys = reinterpret_cast<const uint32_t*>(imp);
+  // Only this unit's positions below R compete for the budget (the tail is the item's end).
+  const int ranked = std::clamp(it.R - u.pg0 * P_, 0, len);
   if (!tiles_) {
     int32_t* out = a_.indices + (static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h) * a_.k_max;
-    const int k = select_topk_keys(keys, nullptr, 0, len, it.k, out, nullptr, w.topk);
+    const int k = select_topk_keys(keys, nullptr, 0, ranked, it.k, out, nullptr, w.topk);
     for (int j = k; j < a_.k_max; ++j) out[j] = -1;
   } else {
-    u.cand_n = select_topk_keys(keys, nullptr, u.pg0 * P_, len, std::min(it.k, len),
+    u.cand_n = select_topk_keys(keys, nullptr, u.pg0 * P_, ranked, std::min(it.k, ranked),
                                 &cand_pos_[u.cand_off], &cand_key_[u.cand_off], w.topk);
   }
   if (a_.output_mode != 0) return;
@@ -359,6 +371,9 @@ void Selection::finish(int item_index, Work& w) {
   if (a_.importance != nullptr)
     for (int s = it.S; s < a_.s_max; ++s) a_.importance[rh * a_.s_max + s] = 0.0f;
   std::vector<float> exact;  // rows whose selected probabilities underflowed (rare)
+  // Rows the sparse attention sees: the k selected positions, then the tail [R, S); ascending.
+  const int nrows = it.k + (it.S - it.R);
+  auto row_pos = [&](int j) { return j < it.k ? sel[j] : it.R + (j - it.k); };
   float* o = w.o;
   if (a_.output_mode == 0) {
     if (tiles_) {
@@ -369,14 +384,15 @@ void Selection::finish(int item_index, Work& w) {
     }
     for (int q = 0; q < Qn_; ++q) w.lsel[q] = 1.0f;
   } else {
-    // Selected mode: softmax restricted to the selected rows, from the stored probabilities.
+    // Selected mode: softmax restricted to the selected and tail rows, from the stored
+    // probabilities.
     std::memset(o, 0, sizeof(float) * Qn_ * D_);
     for (int q = 0; q < Qn_; ++q) w.lsel[q] = 0.0f;
     int v = it.u0;
-    for (int j0 = 0; j0 < it.k; j0 += 32) {
-      const int cnt = std::min(32, it.k - j0);
+    for (int j0 = 0; j0 < nrows; j0 += 32) {
+      const int cnt = std::min(32, nrows - j0);
       for (int j = 0; j < cnt; ++j) {
-        const int pos = sel[j0 + j], pg = pos / P_, slot = pos % P_;
+        const int pos = row_pos(j0 + j), pg = pos / P_, slot = pos % P_;
         while (pg >= units_[v].pg1) ++v;  // positions ascend, so do their units
         const Unit& u = units_[v];
         const int64_t i = pg - u.pg0;
@@ -401,12 +417,12 @@ void Selection::finish(int item_index, Work& w) {
       continue;
     }
     // The selected rows' probabilities underflowed in float32 for this query row (its own
-    // attention lies elsewhere): recompute its scores on the selected rows, exactly.
+    // attention lies elsewhere): recompute its scores on the selected (and tail) rows, exactly.
     const uint16_t* qrow = a_.q + ((static_cast<int64_t>(it.r) * a_.n_q + qi) * H + it.h * G_ + g) * D_;
-    exact.assign(static_cast<size_t>(it.k), 0.0f);
+    exact.assign(static_cast<size_t>(nrows), 0.0f);
     float mx = -INFINITY;
-    for (int j = 0; j < it.k; ++j) {
-      const int pos = sel[j];
+    for (int j = 0; j < nrows; ++j) {
+      const int pos = row_pos(j);
       const uint16_t* kr = k_slab(it.r, it.h, pos / P_) + static_cast<int64_t>(pos % P_) * D_;
       float s = 0.0f;
       for (int d = 0; d < D_; ++d) s += bf16_to_f32(qrow[d]) * bf16_to_f32(kr[d]);
@@ -414,10 +430,10 @@ void Selection::finish(int item_index, Work& w) {
       mx = std::max(mx, exact[j]);
     }
     float l = 0.0f;
-    for (int j = 0; j < it.k; ++j) l += (exact[j] = std::exp(exact[j] - mx));
+    for (int j = 0; j < nrows; ++j) l += (exact[j] = std::exp(exact[j] - mx));
     for (int d = 0; d < D_; ++d) dst[d] = 0.0f;
-    for (int j = 0; j < it.k; ++j) {
-      const int pos = sel[j];
+    for (int j = 0; j < nrows; ++j) {
+      const int pos = row_pos(j);
       const uint16_t* vr = v_slab(it.r, it.h, pos / P_) + static_cast<int64_t>(pos % P_) * D_;
       for (int d = 0; d < D_; ++d) dst[d] += exact[j] / l * bf16_to_f32(vr[d]);
     }

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from herald.kv import _kernel_build
 
-ABI_VERSION = 3  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
+ABI_VERSION = 4  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
 
 OK, EINVAL, ENONFINITE, EINTERNAL = 0, 1, 2, 3
 
@@ -75,6 +75,7 @@ class SelectArgs(ctypes.Structure):
         ("num_selected", _c_i32p),
         ("attn_output", _c_f32p),
         ("importance", _c_f32p),
+        ("tail_lens", _c_i32p),  # nullable: None = no tail
     ]
 
 

@@ -4,8 +4,10 @@ The retrieval stream's CPU step (DESIGN §3, paper §IV-B4). For each request of
 head it scans the request's prefix K (and V in ``full`` mode) in the CPU full KV pool once, keeps
 the scores in a per-thread buffer, ranks positions by the softmax-normalised importance summed over
 the G query heads of the group and the n_q queries, and returns the top-k positions with the
-attention output. :func:`gather_selected` then copies the selected K/V rows of one layer into one
-contiguous (pinned) staging buffer laid out as the GPU sparse pool expects, for one async copy.
+attention output. An optional per-request tail (the draft block of the lookahead) is attended to
+but excluded from the ranking: the sparse pool holds it anyway. :func:`gather_selected` then
+copies the selected K/V rows of one layer into one contiguous (pinned) staging buffer laid out as
+the GPU sparse pool expects, for one async copy.
 
 Backends: the native C++ library (herald/csrc via :mod:`herald.kv._kernel`; AVX-512 kernels where
 the CPU has AVX-512 BF16, else a portable path) or, if it cannot be built or loaded, the PyTorch
@@ -121,6 +123,7 @@ def select_topk(
     seq_lens: torch.Tensor,
     budget_tokens: torch.Tensor,
     *,
+    tail_lens: torch.Tensor | None = None,
     output_mode: str = "full",
     return_importance: bool = False,
     num_threads: int | None = None,
@@ -137,39 +140,50 @@ def select_topk(
             ``s % page_size`` of page ``page_table[r, s // page_size]``; only the first
             ``ceil(seq_lens[r] / page_size)`` entries are read (a draft block is one more page).
         seq_lens: [n_req] int32, S >= 1 tokens (the last page may be partial).
-        budget_tokens: [n_req] int32 >= 1, k per KV head; k >= S selects all S positions.
+        budget_tokens: [n_req] int32 >= 1, k per KV head; k >= S - tail selects every ranked
+            position.
+        tail_lens: [n_req] int32 in [0, S], or None (all 0). The last ``tail_lens[r]`` positions
+            ``[S - tail, S)`` are the always-included tail (HERALD's draft lookahead: block n's
+            draft KV appended after the committed prefix; the sparse pool always holds that
+            block): they are keys of the attention and of the softmax normalisation like any
+            position, but never compete for the budget and never appear in ``indices``.
         output_mode: ``"full"``: exact softmax attention over all S keys (reads K and V).
-            ``"selected"``: softmax attention restricted to the selected rows, i.e. what the
-            sparse attention computes (reads K, and V only at the selected rows).
+            ``"selected"``: softmax attention restricted to the selected rows plus the tail
+            rows, i.e. what the sparse attention computes (reads K, and V only at those rows).
         return_importance: also return the importance vectors.
         num_threads: worker threads (default :func:`default_num_threads`).
 
     Importance of position s for KV head h: ``sum_{q,g} exp(score[q,g,s] - m[q,g]) / l[q,g]`` over
     the n_q queries and the G query heads of the group, score = q.k * head_dim**-0.5, m and l the
-    softmax max and normaliser over all S positions. Top-k by importance; ties go to the smaller
-    position. The native path computes in float32 (bf16 products accumulated in float32).
+    softmax max and normaliser over all S positions (the tail included). Top-k by importance over
+    the ranked positions ``[0, S - tail)`` only; ties go to the smaller position. The tail costs no
+    extra pass over K. The native path computes in float32 (bf16 products accumulated in float32).
 
     Returns:
         :class:`SelectionResult`: indices [n_req, num_kv_heads, k_max] int32 ascending, -1 padded
-        (k_max = max_r num_selected[r]); num_selected [n_req] int32 = min(budget, S);
+        (k_max = max(1, max_r num_selected[r])); num_selected [n_req] int32 =
+        min(budget, S - tail), 0 when all S positions are tail (indices then all -1);
         attn_output [n_req, n_q, num_heads, head_dim] float32; importance
-        [n_req, num_kv_heads, max S] float32 (0 past S) or None.
+        [n_req, num_kv_heads, max S] float32 over all S positions, tail included (0 past S),
+        or None.
 
     Raises:
-        TypeError / ValueError: wrong type, dtype, device, shape, stride, page id or size (the
-            message names the argument). NonFiniteScoreError (a ValueError): NaN/inf in q or K.
+        TypeError / ValueError: wrong type, dtype, device, shape, stride, page id, size or tail
+            length (the message names the argument). NonFiniteScoreError (a ValueError):
+            NaN/inf in q or K.
         RuntimeError: HERALD_SELECTION_BACKEND=native and the library is unavailable.
     """
     lib = _native()
     # the native kernel validates page ids itself (cheaper than torch ops here)
     sh = check_selection_inputs(
-        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode, lib is None
-    )
+        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode, lib is None,
+        tail_lens=tail_lens,
+    )  # fmt: skip
     n = _threads(num_threads)
     if lib is None:
         with _torch_threads(n):
             return select_topk_torch(
-                q, k_pages, v_pages, page_table, seq_lens, budget_tokens,
+                q, k_pages, v_pages, page_table, seq_lens, budget_tokens, tail_lens=tail_lens,
                 output_mode=output_mode, return_importance=return_importance,
                 compute_dtype=torch.float32,
             )  # fmt: skip
@@ -179,6 +193,8 @@ def select_topk(
     q = q.contiguous()
     page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
     budget_tokens = budget_tokens.contiguous()
+    if tail_lens is not None:
+        tail_lens = tail_lens.contiguous()
     indices = torch.empty(sh.n_req, sh.num_kv_heads, sh.k_max, dtype=torch.int32)
     num_selected = torch.empty(sh.n_req, dtype=torch.int32)
     out = torch.empty(sh.n_req, sh.n_q, sh.num_heads, sh.head_dim, dtype=torch.float32)
@@ -197,6 +213,7 @@ def select_topk(
         budget=budget_tokens.data_ptr(), indices=indices.data_ptr(),
         num_selected=num_selected.data_ptr(), attn_output=out.data_ptr(),
         importance=imp.data_ptr() if imp is not None else None,
+        tail_lens=tail_lens.data_ptr() if tail_lens is not None else None,
     )  # fmt: skip
     _kernel.check(lib, lib.lib.herald_select_topk(ctypes.byref(args)), "select_topk")
     return SelectionResult(indices, num_selected, out, imp)
@@ -224,6 +241,7 @@ def gather_selected(
 
     Returns ``out``: out[0] the K rows, out[1] the V rows; row j of (r, h) is logical position
     indices[r, h, j]. Rows j >= num_selected[r] are left untouched (not zeroed).
+    A ``select_topk`` tail is not among ``indices``: the caller places those rows itself.
     NOTE: ``out`` is written by CPU threads before this returns; the caller must not reuse a
     staging buffer while an async H2D copy from it may still be running (wait on its event).
 

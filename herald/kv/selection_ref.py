@@ -23,8 +23,10 @@ class SelectionResult:
     """Output of ``select_topk`` (all CPU tensors).
 
     indices:      [n_req, num_kv_heads, k_max] int32, selected logical positions ascending,
-                  -1 past ``num_selected[r]``.
-    num_selected: [n_req] int32, ``min(budget_tokens[r], seq_lens[r])``.
+                  -1 past ``num_selected[r]``; k_max = max(1, max_r num_selected[r]). Never holds
+                  a tail position (``>= seq_lens[r] - tail_lens[r]``).
+    num_selected: [n_req] int32, ``min(budget_tokens[r], seq_lens[r] - tail_lens[r])`` (may be
+                  0 when the whole sequence is tail).
     attn_output:  [n_req, n_q, num_heads, head_dim] float32.
     importance:   [n_req, num_kv_heads, S_max] float32 (0 past ``seq_lens[r]``), if requested.
     """
@@ -48,6 +50,7 @@ class SelectionShapes:
     num_pages: int
     max_pages: int
     seq_lens: list[int]
+    tail_lens: list[int]
     num_selected: list[int]
     k_max: int
     s_max: int
@@ -105,11 +108,13 @@ def check_selection_inputs(
     budget_tokens: object,
     output_mode: str,
     check_page_ids: bool = True,
+    *,
+    tail_lens: object = None,
 ) -> SelectionShapes:
     """Validates ``select_topk`` arguments; raises TypeError/ValueError naming the argument.
 
     ``check_page_ids=False`` skips the range check of the used page_table entries (the native
-    kernel performs it itself).
+    kernel performs it itself). ``tail_lens`` None means no tail (all zeros).
     """
     q = _tensor(q, "q", torch.bfloat16, 4, "[n_req, n_q, num_heads, head_dim] bfloat16")
     k, _ = check_pages(k_pages, v_pages)
@@ -124,14 +129,20 @@ def check_selection_inputs(
     pt = _tensor(page_table, "page_table", torch.int32, 2, "[n_req, max_pages] int32")
     sl = _tensor(seq_lens, "seq_lens", torch.int32, 1, "[n_req] int32")
     bt = _tensor(budget_tokens, "budget_tokens", torch.int32, 1, "[n_req] int32")
-    for name, t in (("page_table", pt), ("seq_lens", sl), ("budget_tokens", bt)):
+    named = [("page_table", pt), ("seq_lens", sl), ("budget_tokens", bt)]
+    tl = None
+    if tail_lens is not None:
+        tl = _tensor(tail_lens, "tail_lens", torch.int32, 1, "[n_req] int32")
+        named.append(("tail_lens", tl))
+    for name, t in named:
         if t.shape[0] != n_req:
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match n_req = {n_req}")
     if output_mode not in ("full", "selected"):
         raise ValueError(f"output_mode must be 'full' or 'selected', got {output_mode!r}")
     max_pages = pt.shape[1]
     lens, budgets = sl.tolist(), bt.tolist()
-    for r, (s, b) in enumerate(zip(lens, budgets, strict=True)):
+    tails = tl.tolist() if tl is not None else [0] * n_req
+    for r, (s, b, t) in enumerate(zip(lens, budgets, tails, strict=True)):
         if not 1 <= s <= max_pages * page_size:
             raise ValueError(
                 f"seq_lens[{r}] = {s} must be in [1, max_pages * page_size = "
@@ -139,12 +150,14 @@ def check_selection_inputs(
             )
         if b < 1:
             raise ValueError(f"budget_tokens[{r}] = {b} must be >= 1")
+        if not 0 <= t <= s:
+            raise ValueError(f"tail_lens[{r}] = {t} must be in [0, seq_lens[{r}] = {s}]")
     if check_page_ids:
         _check_page_ids(pt, (sl + page_size - 1) // page_size, num_pages)
-    num_selected = [min(s, b) for s, b in zip(lens, budgets, strict=True)]
+    num_selected = [min(s - t, b) for s, b, t in zip(lens, budgets, tails, strict=True)]
     return SelectionShapes(
         n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, num_pages, max_pages,
-        lens, num_selected, max(num_selected), max(lens),
+        lens, tails, num_selected, max(1, *num_selected), max(lens),
     )  # fmt: skip
 
 
@@ -162,17 +175,21 @@ def select_topk_torch(
     seq_lens: torch.Tensor,
     budget_tokens: torch.Tensor,
     *,
+    tail_lens: torch.Tensor | None = None,
     output_mode: str = "full",
     return_importance: bool = False,
     compute_dtype: torch.dtype = torch.float64,
 ) -> SelectionResult:
     """PyTorch ``select_topk`` (same contract); computes in ``compute_dtype``.
 
-    Ties in importance go to the smaller position (a stable descending sort).
+    Ties in importance go to the smaller position (a stable descending sort). The tail
+    ``[S - tail, S)`` takes part in the softmax and the importance but not in the ranking;
+    ``selected`` mode attends over the selected rows and the tail rows.
     """
     sh = check_selection_inputs(
-        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode
-    )
+        q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode,
+        tail_lens=tail_lens,
+    )  # fmt: skip
     hkv, g, d, p = sh.num_kv_heads, sh.group_size, sh.head_dim, sh.page_size
     indices = torch.full((sh.n_req, hkv, sh.k_max), -1, dtype=torch.int32)
     out = torch.empty(sh.n_req, sh.n_q, sh.num_heads, d, dtype=torch.float32)
@@ -181,6 +198,7 @@ def select_topk_torch(
     )
     for r in range(sh.n_req):
         s, k = sh.seq_lens[r], sh.num_selected[r]
+        ranked = s - sh.tail_lens[r]  # positions [0, ranked) compete; [ranked, s) is the tail
         ids = page_table[r, : (s + p - 1) // p]
         keys = _request_rows(k_pages, ids, s).to(compute_dtype)  # [Hkv, S, D]
         vals = _request_rows(v_pages, ids, s).to(compute_dtype)
@@ -195,18 +213,20 @@ def select_topk_torch(
                 f"non-finite attention score for request {r}, KV head {h} "
                 "(NaN or inf in q or K, or a score overflowing float32)"
             )
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)  # normalised over all S, tail included
         imp = probs.sum(dim=1)  # [Hkv, S]
-        order = torch.sort(imp, dim=-1, descending=True, stable=True).indices[:, :k]
+        order = torch.sort(imp[:, :ranked], dim=-1, descending=True, stable=True).indices[:, :k]
         sel = torch.sort(order, dim=-1).values  # [Hkv, k]
         indices[r, :, :k] = sel.to(torch.int32)
         if imp_out is not None:
             imp_out[r, :, :s] = imp.float()
         if output_mode == "full":
             o = torch.matmul(probs, vals)  # [Hkv, Qn, D]
-        else:
-            s_sel = scores.gather(2, sel[:, None, :].expand(-1, scores.shape[1], -1))
-            v_sel = vals.gather(1, sel[:, :, None].expand(-1, -1, d))
+        else:  # the rows the sparse attention sees: selected, then the tail
+            tail = torch.arange(ranked, s).expand(hkv, -1)
+            rows = torch.cat([sel, tail], dim=1)
+            s_sel = scores.gather(2, rows[:, None, :].expand(-1, scores.shape[1], -1))
+            v_sel = vals.gather(1, rows[:, :, None].expand(-1, -1, d))
             o = torch.matmul(torch.softmax(s_sel, dim=-1), v_sel)
         o = o.view(hkv, sh.n_q, g, d).permute(1, 0, 2, 3).reshape(sh.n_q, sh.num_heads, d)
         out[r] = o.float()

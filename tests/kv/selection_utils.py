@@ -17,9 +17,15 @@ class Inputs:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     budget: torch.Tensor
+    tail_lens: torch.Tensor | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.k_pages, self.v_pages, self.page_table, self.seq_lens, self.budget
+
+    def ranked(self, r: int) -> int:
+        """Length of request r's ranked part (seq_len minus tail)."""
+        tail = 0 if self.tail_lens is None else int(self.tail_lens[r])
+        return int(self.seq_lens[r]) - tail
 
 
 def make_inputs(
@@ -34,6 +40,7 @@ def make_inputs(
     page_size: int = 32,
     spare_pages: int = 3,
     q_scale: float = 2.0,
+    tail_lens: list[int] | None = None,
 ) -> Inputs:
     """Fresh random (never zero) inputs; requests' pages are shuffled through one pool.
 
@@ -62,23 +69,28 @@ def make_inputs(
         pt,
         torch.tensor(seq_lens, dtype=torch.int32),
         torch.tensor(budgets, dtype=torch.int32),
+        None if tail_lens is None else torch.tensor(tail_lens, dtype=torch.int32),
     )
 
 
 def reference(inp: Inputs, mode: str) -> SelectionResult:
-    return select_topk_torch(*inp.args(), output_mode=mode, return_importance=True)
+    return select_topk_torch(
+        *inp.args(), tail_lens=inp.tail_lens, output_mode=mode, return_importance=True
+    )
 
 
 def sparse_output(inp: Inputs, indices: torch.Tensor, num_selected: torch.Tensor) -> torch.Tensor:
-    """float64 softmax attention restricted to the given rows: what ``selected`` mode returns."""
+    """float64 softmax attention restricted to the given rows and the tail rows: what
+    ``selected`` mode returns."""
     n_req, n_q, h, d = inp.q.shape
     hkv, p = inp.k_pages.shape[1], inp.k_pages.shape[2]
     g = h // hkv
     out = torch.empty(n_req, n_q, h, d, dtype=torch.float64)
     for r in range(n_req):
-        ns = int(num_selected[r])
+        ns, ranked = int(num_selected[r]), inp.ranked(r)
+        tail = torch.arange(ranked, int(inp.seq_lens[r]))
         for kh in range(hkv):
-            pos = indices[r, kh, :ns].long()
+            pos = torch.cat([indices[r, kh, :ns].long(), tail])
             pg = inp.page_table[r].long()[pos // p]
             keys = inp.k_pages[pg, kh, pos % p].double()
             vals = inp.v_pages[pg, kh, pos % p].double()
@@ -95,22 +107,28 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def check_selection(
     res: SelectionResult, ref: SelectionResult, inp: Inputs, mode: str, *, tol: float = 1e-2
 ) -> None:
-    """Indices match up to ties (captured importance mass; exact sets when no near-tie)."""
+    """Indices match up to ties (captured importance mass; exact sets when no near-tie).
+
+    With a tail, indices stay inside the ranked part ``[0, seq_len - tail)``.
+    """
     assert torch.equal(res.num_selected, ref.num_selected)
     assert res.indices.shape == ref.indices.shape and res.indices.dtype == torch.int32
     assert ref.importance is not None
-    for r, s in enumerate(inp.seq_lens.tolist()):
-        ns = int(ref.num_selected[r])
+    for r in range(inp.seq_lens.shape[0]):
+        ns, ranked = int(ref.num_selected[r]), inp.ranked(r)
+        assert ns == min(int(inp.budget[r]), ranked)
         for h in range(inp.k_pages.shape[1]):
             got, want = res.indices[r, h, :ns], ref.indices[r, h, :ns]
             assert bool((res.indices[r, h, ns:] == -1).all())
+            if ns == 0:
+                continue
             assert bool((got[1:] > got[:-1]).all()), "indices must ascend"
-            assert int(got.min()) >= 0 and int(got.max()) < s
-            imp = ref.importance[r, h, :s].double()
+            assert int(got.min()) >= 0 and int(got.max()) < ranked
+            imp = ref.importance[r, h, :ranked].double()
             mass_got, mass_want = float(imp[got.long()].sum()), float(imp[want.long()].sum())
             assert mass_got >= mass_want * (1 - 1e-5) - 1e-9, (r, h, mass_got, mass_want)
             srt = torch.sort(imp, descending=True).values
-            if ns < s and float(srt[ns - 1] - srt[ns]) > 1e-4 * float(srt[ns - 1]):
+            if ns < ranked and float(srt[ns - 1] - srt[ns]) > 1e-4 * float(srt[ns - 1]):
                 assert torch.equal(got, want), (r, h)
     want_out = (
         ref.attn_output if mode == "full" else sparse_output(inp, res.indices, res.num_selected)
