@@ -63,114 +63,202 @@ class DenseKVCache:
             t[dst, :, :length].copy_(t[src, :, :length])
 
 
-class DenseAttention:
-    """AttentionBackend over a :class:`DenseKVCache` for one batched forward.
+class SlotAttention:
+    """AttentionBackend over per-slot KV stores, for one batched forward at a time.
 
-    Set :meth:`prepare` before each forward: the current tokens of request ``i`` (slot ``i``) sit at
-    positions ``start[i] .. start[i] + L - 1`` and attend to cache positions ``[0, start[i] + L)``.
-    With ``causal_blocks`` (prefill of several blocks at once) query block j of the chunk sees the
-    chunk only up to the end of block j (block-causal, model spec §1.3).
+    ``k[layer]`` / ``v[layer]`` are ``[num_slots, num_kv_heads, capacity, head_dim]`` (``None`` for
+    layers this backend does not serve). Batch row i uses slot ``slot_offset + i``; its current
+    tokens are written at store rows ``[prefix[i], prefix[i] + L)`` before attending, and attend to
+    rows ``[0, prefix[i] + L)``. For the dense cache ``prefix`` is the absolute block start; for a
+    GPU sparse pool it is the number of rows already there (selected rows + last completed block).
+
+    Modes (:meth:`prepare`):
+    - one block (L = B): bidirectional inside the block (denoising step, commit forward);
+    - ``block_size`` with L > B: block-causal inside the chunk (prefill, model spec §1.3);
+    - ``draft_group``: L = 2B, the block then its draft (DESIGN §2, paper §IV-A1). Both write their
+      K/V (the draft right after the block, rows ``[p + B, p + 2B)``); block queries see
+      ``[0, p + B)`` exactly as in a plain denoising step, draft queries see ``[0, p)`` and the
+      draft, not the block.
     """
 
-    def __init__(self, cache: DenseKVCache) -> None:
-        self.cache = cache
-        self._bs = 0
-        self._length = 0
-        self._uniform_start: int | None = None
-        self._write_b: torch.Tensor | None = None
-        self._write_p: torch.Tensor | None = None
-        self._key_mask: torch.Tensor | None = None
-        self._kv_len = 0
-        self._block_size: int | None = None
+    def __init__(self, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
+        self.set_store(k, v)
         self._slots = slice(0, 0)
+        self._length = 0
+        self._kv_len = 0
+        self._uniform: int | None = None
+        self._prefix: torch.Tensor | None = None
+        self._block_size: int | None = None
+        self._draft = False
+
+    def set_store(self, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
+        """Point at other K/V tensors (e.g. the other buffer of a double-buffered pool)."""
+        first = next(t for t in k if t is not None)
+        self.k, self.v = k, v
+        self.num_slots, self.capacity = first.shape[0], first.shape[2]
+        self.device = first.device
 
     def prepare(
         self,
-        start: list[int],
+        prefix: list[int],
         length: int,
         block_size: int | None = None,
         slot_offset: int = 0,
+        draft_group: bool = False,
     ) -> None:
-        """Describe the next forward.
+        """Describe the next forward (see the class docstring).
 
-        Args:
-            start: per request (slot order), the absolute position of its first current token.
-            length: L, current tokens per request.
-            block_size: set for a multi-block prefill chunk (block-causal inside the chunk); None
-                for a single block (fully bidirectional inside it).
-            slot_offset: batch row i uses KV slot ``slot_offset + i`` (prefill of one new request).
+        Raises:
+            ValueError: more rows than slots, or rows past the store capacity.
         """
-        device = self.cache.k[0].device
-        bs = len(start)
-        if slot_offset + bs > self.cache.num_slots:
-            raise ValueError(f"batch of {bs} exceeds the cache's {self.cache.num_slots} slots")
+        bs = len(prefix)
+        if slot_offset + bs > self.num_slots:
+            raise ValueError(f"batch of {bs} exceeds the store's {self.num_slots} slots")
+        end = max(prefix) + length
+        if end > self.capacity:
+            raise ValueError(f"row {end} exceeds the store capacity {self.capacity}")
         self._slots = slice(slot_offset, slot_offset + bs)
-        end = max(start) + length
-        if end > self.cache.capacity:
-            raise ValueError(f"position {end} exceeds the cache capacity {self.cache.capacity}")
-        self._bs, self._length, self._kv_len = bs, length, end
+        self._length, self._kv_len = length, end
         self._block_size = block_size if block_size is not None and length > block_size else None
-        if all(s == start[0] for s in start):
-            self._uniform_start = start[0]
-            self._write_b = self._write_p = self._key_mask = None
-        else:
-            self._uniform_start = None
-            st = torch.tensor(start, device=device)
-            ar = torch.arange(length, device=device)
-            rows = torch.arange(slot_offset, slot_offset + bs, device=device)
-            self._write_b = rows[:, None].expand(bs, length)
-            self._write_p = st[:, None] + ar[None, :]
-            keys = torch.arange(end, device=device)
-            # [bs, 1, 1, kv_len]: request i sees keys < start[i] + L.
-            self._key_mask = (keys[None, :] < (st + length)[:, None])[:, None, None, :]
+        self._draft = draft_group
+        uniform = all(p == prefix[0] for p in prefix)
+        self._uniform = prefix[0] if uniform else None
+        self._prefix = torch.tensor(prefix, device=self.device)
 
-    def _mask(self, device: torch.device) -> torch.Tensor | None:
-        if self._block_size is None:
-            return self._key_mask
-        # Block-causal inside the chunk: query t (chunk-relative) sees absolute keys
-        # < chunk_start + (t // B + 1) * B. Only used for uniform batches (prefill is per request).
-        assert self._uniform_start is not None, "multi-block chunks need a uniform start"
+    # -- masks -------------------------------------------------------------------------------------
+    def _key_mask(self, visible: int) -> torch.Tensor | None:
+        """[bs, 1, 1, kv_len] bool: row i sees keys < prefix[i] + visible (None when uniform)."""
+        if self._uniform is not None:
+            return None
+        assert self._prefix is not None
+        keys = torch.arange(self._kv_len, device=self.device)
+        return (keys[None, :] < (self._prefix + visible)[:, None])[:, None, None, :]
+
+    def _draft_mask(self, b: int) -> torch.Tensor:
+        """[bs, 1, 1, kv_len] bool: keys < p, or in the draft rows [p + B, p + 2B)."""
+        assert self._prefix is not None
+        keys = torch.arange(self._kv_len, device=self.device)[None, :]
+        p = self._prefix[:, None]
+        return ((keys < p) | ((keys >= p + b) & (keys < p + 2 * b)))[:, None, None, :]
+
+    def _causal_mask(self) -> torch.Tensor:
+        # Block-causal inside the chunk: query t (chunk-relative) sees rows
+        # < start + (t // B + 1) * B. Only used for uniform batches (prefill is per request).
+        assert self._uniform is not None and self._block_size is not None
         b = self._block_size
-        t = torch.arange(self._length, device=device)
-        limit = self._uniform_start + (t // b + 1) * b
-        keys = torch.arange(self._kv_len, device=device)
+        t = torch.arange(self._length, device=self.device)
+        limit = self._uniform + (t // b + 1) * b
+        keys = torch.arange(self._kv_len, device=self.device)
         return (keys[None, :] < limit[:, None])[None, None]
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _write(self, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        length = k.shape[1]
+        if self._uniform is not None:
+            s0 = self._uniform
+            kc[self._slots, :, s0 : s0 + length].copy_(k.transpose(1, 2))
+            vc[self._slots, :, s0 : s0 + length].copy_(v.transpose(1, 2))
+        else:
+            assert self._prefix is not None
+            rows = torch.arange(self._slots.start, self._slots.stop, device=self.device)
+            pos = self._prefix[:, None] + torch.arange(length, device=self.device)[None, :]
+            b_idx = rows[:, None].expand_as(pos)
+            kc[b_idx, :, pos] = k
+            vc[b_idx, :, pos] = v
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """See :class:`herald.models.base.AttentionBackend`. Writes k/v into the cache first."""
-        kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
-        bs, length, hq, d = q.shape
-        hkv = k.shape[2]
-        g = hq // hkv
-        if self._uniform_start is not None:
-            s0 = self._uniform_start
-            kc[self._slots, :, s0 : s0 + length].copy_(k.transpose(1, 2))
-            vc[self._slots, :, s0 : s0 + length].copy_(v.transpose(1, 2))
-        else:
-            kc[self._write_b, :, self._write_p] = k
-            vc[self._write_b, :, self._write_p] = v
+        """See :class:`herald.models.base.AttentionBackend`. Writes k/v into the store first."""
+        kc, vc = self.k[layer_id], self.v[layer_id]
+        if kc is None or vc is None:
+            raise ValueError(f"layer {layer_id} has no store in this backend")
+        self._write(kc, vc, k, v)
         keys = kc[self._slots, :, : self._kv_len]
         values = vc[self._slots, :, : self._kv_len]
-        mask = self._mask(q.device)
-        if self._block_size is None:
-            # Fold GQA into the query length: [bs, Hkv, G*L, D]; all queries of a request see the
-            # same keys, so this is exact.
-            qf = (
-                q.view(bs, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * length, d)
-            )
-            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
-            return o.view(bs, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(bs, length, hq, d)
-        if q.is_cuda:
-            # Prefill chunk: the block-causal mask rules out the flash / cuDNN GQA paths and the
-            # memory-efficient kernel refuses GQA (device.md), so expand K/V to the query heads
-            # (a transient [Hq, S, D] per layer) rather than fall back to the math kernel.
-            keys = keys.repeat_interleave(g, dim=1)
-            values = values.repeat_interleave(g, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
-        else:
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
-            )
-        return o.transpose(1, 2)
+        if self._block_size is not None:
+            return _sdpa_gqa(q, keys, values, self._causal_mask())
+        if not self._draft:
+            return _sdpa_folded(q, keys, values, self._key_mask(self._length))
+        b = self._length // 2
+        # NOTE: the block group is computed exactly as a plain denoising step (same keys, same
+        # kernel), so the draft never changes the block's numbers.
+        kv_block = self._kv_len - b
+        o_block = _sdpa_folded(
+            q[:, :b].contiguous(),
+            keys[:, :, :kv_block],
+            values[:, :, :kv_block],
+            None if self._uniform is not None else self._key_mask(b)[..., :kv_block],  # type: ignore[index]
+        )
+        o_draft = _sdpa_folded(q[:, b:].contiguous(), keys, values, self._draft_mask(b))
+        return torch.cat([o_block, o_draft], dim=1)
+
+
+def _sdpa_folded(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [bs, L, Hq, D] against keys/values [bs, Hkv, S, D]; GQA folded into the query length.
+
+    Exact whenever every query of a row sees the same keys (mask [bs, 1, 1, S] or None).
+    """
+    bs, length, hq, d = q.shape
+    hkv = keys.shape[1]
+    g = hq // hkv
+    qf = q.view(bs, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * length, d)
+    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+    return o.view(bs, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(bs, length, hq, d)
+
+
+def _sdpa_gqa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-query masks (prefill chunks): q [bs, L, Hq, D] -> [bs, L, Hq, D]."""
+    g = q.shape[2] // keys.shape[1]
+    if q.is_cuda:
+        # The block-causal mask rules out the flash / cuDNN GQA paths and the memory-efficient
+        # kernel refuses GQA (device.md), so expand K/V to the query heads (a transient
+        # [Hq, S, D] per layer) rather than fall back to the math kernel.
+        keys = keys.repeat_interleave(g, dim=1)
+        values = values.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+    else:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+        )
+    return o.transpose(1, 2)
+
+
+def attend_prefix_and_tail(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix: list[int],
+    tail_start: list[int],
+    tail_len: int,
+) -> torch.Tensor:
+    """Exact attention of a few queries to rows ``[0, prefix)`` and ``[tail_start, +tail_len)``.
+
+    The retrieval stream's representative query on the dense layers (prefix + draft, DESIGN §2).
+
+    Args:
+        q: [bs, n_q, Hq, D]; keys/values: [bs, Hkv, cap, D] (one layer of a store, slot order).
+        prefix, tail_start: per row, in store rows; tail_len: rows of the tail (0 = none).
+
+    Returns:
+        [bs, n_q, Hq, D].
+    """
+    dev = q.device
+    end = max(max(p for p in prefix), max(t + tail_len for t in tail_start))
+    rows = torch.arange(end, device=dev)[None, :]
+    p = torch.tensor(prefix, device=dev)[:, None]
+    t = torch.tensor(tail_start, device=dev)[:, None]
+    mask = (rows < p) | ((rows >= t) & (rows < t + tail_len))
+    return _sdpa_folded(q, keys[:, :, :end], values[:, :, :end], mask[:, None, None, :])
+
+
+class DenseAttention(SlotAttention):
+    """:class:`SlotAttention` over every layer of a :class:`DenseKVCache` (absolute positions)."""
+
+    def __init__(self, cache: DenseKVCache) -> None:
+        super().__init__(list(cache.k), list(cache.v))
+        self.cache = cache
