@@ -64,3 +64,67 @@ class EngineConfig:
     """Prompt tokens per prefill forward (rounded down to a multiple of the block size)."""
     use_cuda_graph: bool = False
     """Capture the denoising forward in CUDA graphs (GPU only; uniform-length batches)."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Switches of the offloading engine (DESIGN §4). Presets: :meth:`for_mode`.
+
+    The four independent ablation switches are ``selection_device``, ``selection_queries``,
+    ``lookahead`` and ``kv_budget``; ``output_mode`` picks the CPU kernel's output mode.
+    """
+
+    selection_device: str = "cpu"
+    """Where the selection's exact attention runs: "cpu" (next to the full KV, the CPU kernel) or
+    "gpu" (the full KV of the layer crosses PCIe every block)."""
+    selection_queries: str = "representative"
+    """"representative": one [MASK] query at the centre of the next block (paper §IV-A2);
+    "block": the block's B queries at its first denoising step (MAGE)."""
+    lookahead: str = "draft"
+    """"draft": select block n+1 from block n's step-0 draft while block n denoises (paper
+    §IV-A1); "off": select after block n commits (the main stream waits)."""
+    kv_budget: float = 0.05
+    """k = ceil(kv_budget x prefix) selected entries per KV head per layer, plus the last
+    completed block (always kept). 1.0 keeps everything."""
+    output_mode: str = "full"
+    """CPU kernel output: "full" (exact attention over the prefix) or "selected"."""
+    num_dense_layers: int = 2
+    """The first layers keep their full KV on the GPU and attend exactly (DESIGN §2)."""
+    cpu_kv_gb: float | None = None
+    """CPU pool size in GiB (default: what the engine's max batch and length need)."""
+    selection_threads: int | None = None
+    """CPU kernel threads (default: all cores)."""
+
+    def validate(self) -> None:
+        checks = {
+            "selection_device": (self.selection_device, ("cpu", "gpu")),
+            "selection_queries": (self.selection_queries, ("representative", "block")),
+            "lookahead": (self.lookahead, ("draft", "off")),
+            "output_mode": (self.output_mode, ("full", "selected")),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if not 0.0 < self.kv_budget <= 1.0:
+            raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
+        if self.selection_queries == "block" and self.lookahead != "off":
+            raise ValueError("block-query (MAGE) selection needs the block's own queries: "
+                             "it cannot run ahead on a draft (use lookahead='off')")
+        if self.num_dense_layers < 0:
+            raise ValueError("num_dense_layers must be >= 0")
+
+    @staticmethod
+    def for_mode(mode: str, **overrides: object) -> OffloadConfig:
+        """``herald`` (CPU, representative query, draft lookahead, 5%) or ``mage`` (block
+        queries at step 0, no lookahead, 2.5%, GPU selection); overrides win."""
+        presets: dict[str, dict[str, object]] = {
+            "herald": dict(selection_device="cpu", selection_queries="representative",
+                           lookahead="draft", kv_budget=0.05),
+            "mage": dict(selection_device="gpu", selection_queries="block", lookahead="off",
+                         kv_budget=0.025),
+        }
+        if mode not in presets:
+            raise ValueError(f"unknown offload mode {mode!r}; one of {sorted(presets)}")
+        cfg = OffloadConfig(**{**presets[mode], **overrides})  # type: ignore[arg-type]
+        cfg.validate()
+        return cfg

@@ -97,24 +97,44 @@ class DecodeBatch:
         st = torch.tensor(self.starts(), dtype=torch.long, device=self.device)
         return self.tokens, st[:, None] + self._arange[None, :]
 
-    def apply(self, model: BlockDiffusionLM, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
+    def apply(
+        self,
+        model: BlockDiffusionLM,
+        hidden: torch.Tensor,
+        *,
+        advance_clean: bool = True,
+        want_draft: bool = False,
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Sample at the masked positions and accept tokens; advance committed rows.
 
         Args:
             model: for ``compute_logits``.
-            hidden: [bs, B, hidden_size], final-normed hidden states of this forward.
+            hidden: [bs, B, hidden_size], final-normed hidden states of this forward (extra
+                positions past B, e.g. a fused draft group, are ignored).
+            advance_clean: rows that had no mask before this forward ran their commit forward:
+                move them to their next block. False for engines that commit a whole batch in
+                lockstep (they call :meth:`advance`).
+            want_draft: also return the draft of every row's block (paper §IV-A1): the argmax
+                at every still-masked position, the accepted token elsewhere.
 
         Returns:
-            (finished_rows, committed_rows). Finished requests have their status and output set;
-            committed rows' requests moved to the next block (its KV must now count as prefix).
+            (finished_rows, committed_rows, draft [bs, B] int64 or None). Finished requests have
+            their status and output set.
         """
         bs, b = self.tokens.shape
+        hidden = hidden[:, :b]
         masked = self.masked
         num_masked = masked.sum(-1)
         num_masked_host = num_masked.tolist()  # NOTE: the one host sync per step.
-        committing = [i for i, n in enumerate(num_masked_host) if n == 0]
+        committing = [i for i, n in enumerate(num_masked_host) if n == 0] if advance_clean else []
+        argmax_all = None
+        if want_draft:
+            argmax_all = model.compute_logits(hidden).argmax(dim=-1)  # [bs, B]
         if any(n > 0 for n in num_masked_host):
             self._denoise(model, hidden, masked, num_masked)
+        draft = None
+        if argmax_all is not None:
+            draft = torch.where(self.masked, argmax_all, self.tokens)
         finished: list[int] = []
         now_clean = (~self.masked.any(-1)).tolist()
         for i, req in enumerate(self.requests):
@@ -122,14 +142,18 @@ class DecodeBatch:
                 req.steps_in_block += 1
                 if now_clean[i] and self._complete_block(req, i):
                     finished.append(i)
-        for i in committing:
+        self.advance(committing)
+        return finished, committing, draft
+
+    def advance(self, rows: list[int]) -> None:
+        """Move ``rows`` to their next block (after their commit forward)."""
+        for i in rows:
             req = self.requests[i]
-            req.block_start += b
+            req.block_start += self.block_size
             req.steps_in_block = 0
             toks, m = self._fresh_block(req)
             self.tokens[i] = toks
             self.masked[i] = m
-        return finished, committing
 
     def _denoise(
         self,

@@ -155,7 +155,7 @@ class DenseEngine:
         hidden = self._forward(input_ids, positions, self.batch.starts())
         if self.check_finite and not bool(hidden.isfinite().all()):
             self.stats.num_nonfinite_steps += 1
-        finished_rows, _ = self.batch.apply(self.model, hidden)
+        finished_rows, _, _ = self.batch.apply(self.model, hidden)
         finished = [self.batch.requests[i] for i in finished_rows]
         for src, dst in self.batch.remove(finished_rows):
             # NOTE: same stream as the forward that wrote the source slot, so the copy is ordered

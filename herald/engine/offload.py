@@ -1,0 +1,558 @@
+"""The offloading engine: HERALD, and MAGE-Offload in the same machinery (DESIGN §2, §4).
+
+Memory: the first ``num_dense_layers`` layers keep their full KV on the GPU (dense store, exact
+attention). Every other layer's full KV lives in the CPU pool (:class:`CpuKVPool`); denoising reads
+a double-buffered GPU sparse pool (:class:`GpuSparseKVPool`) holding, per request and KV head, the
+selected rows, the last completed block, the current block and (at one step) the draft.
+
+Blocks run in lockstep across the batch: every running request denoises block n together, the
+batch commits together, and the block boundary swaps the pools. Per block (main stream):
+
+    step 0        forward over the active pool; accept tokens; draft = argmax at every position
+                  (MAGE: exact attention over the full KV with the block's B queries, selecting)
+    step 1        lookahead: one 2B forward (block + draft group); the draft KV goes to the CPU
+                  pool and the retrieval stream starts selecting for block n+1
+    steps 2..     forwards until no row has a mask left
+    commit        forward on the clean blocks; their KV goes to the CPU pool
+    boundary      wait for the retrieval stream (lookahead off: run it now); copy the completed
+                  block into the idle pool; swap pools; finished requests leave
+
+Every cross-stream hand-off is fenced; the NOTE comments say where and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from herald.config import OffloadConfig, SamplingParams
+from herald.diffusion.batch import DecodeBatch
+from herald.engine.request import Request
+from herald.engine.retrieval import RetrievalJob, RetrievalWorker
+from herald.kv.cpu_pool import CpuKVPool
+from herald.kv.dense_cache import SlotAttention, _sdpa_folded
+from herald.kv.gpu_selection import select_topk_rows
+from herald.kv.selection import gather_selected, select_topk
+from herald.kv.sparse_pool import GpuSparseKVPool
+from herald.models.base import BlockDiffusionLM
+from herald.models.config import ModelConfig
+
+
+@dataclass
+class BlockTiming:
+    """Per-block timing (seconds, host clock): main stream, retrieval stream, boundary stall."""
+
+    main: float
+    retrieval: float
+    stall: float
+    batch: int
+
+
+@dataclass
+class OffloadStats:
+    num_prefill_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_forwards: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    blocks: list[BlockTiming] = field(default_factory=list)
+
+
+class _RoutedAttention:
+    """Dense store for the first layers, sparse pool for the rest."""
+
+    def __init__(self, num_dense: int, dense: SlotAttention | None, sparse: SlotAttention) -> None:
+        self.num_dense, self.dense, self.sparse = num_dense, dense, sparse
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if layer_id < self.num_dense:
+            assert self.dense is not None
+            return self.dense.forward(layer_id, q, k, v)
+        return self.sparse.forward(layer_id, q, k, v)
+
+
+class _MageAttention:
+    """Step 0 of a MAGE block: exact attention of the B block queries over the full KV of every
+    offloaded layer, selecting the top-k rows into the active pool as a by-product."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.e = engine
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        e = self.e
+        if layer_id < e.num_dense:
+            return e.attn.forward(layer_id, q, k, v)
+        if e.offload.selection_device == "gpu":
+            return e._mage_layer_gpu(layer_id, q, k, v)
+        return e._mage_layer_cpu(layer_id, q, k, v)
+
+
+class OffloadEngine:
+    """Block-diffusion decoding with the full KV in CPU memory (HERALD / MAGE-Offload).
+
+    Args:
+        model, config: as for :class:`~herald.engine.dense.DenseEngine`.
+        offload: the switches (:class:`~herald.config.OffloadConfig`).
+        max_batch_size, max_seq_len: running requests and tokens per request at most.
+        cpu_pool: an existing pool (tests); default: one sized by ``offload.cpu_kv_gb`` or by
+            ``max_batch_size x max_seq_len``.
+        retrieval_delay: a callable returning seconds to sleep at each retrieval layer (the
+            stress test injects random delays to expose missing fences).
+    """
+
+    def __init__(
+        self,
+        model: BlockDiffusionLM,
+        config: ModelConfig,
+        offload: OffloadConfig,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        prefill_chunk_tokens: int = 4096,
+        cpu_pool: CpuKVPool | None = None,
+        retrieval_delay: Callable[[], float] | None = None,
+        record_selection: bool = False,
+    ) -> None:
+        offload.validate()
+        self.model, self.config, self.offload = model, config, offload
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        b = self.block_size = config.block_size
+        L = config.num_layers
+        self.num_dense = min(offload.num_dense_layers, L)
+        self.max_seq_len = -(-max_seq_len // b) * b
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
+        hkv, d = config.num_kv_heads, config.head_dim
+        # Dense store: rows [0, max_seq_len) by absolute position + B rows for a draft.
+        dshape = (max_batch_size, hkv, self.max_seq_len + b, d)
+        self.dense_k: list[torch.Tensor | None] = [None] * L
+        self.dense_v: list[torch.Tensor | None] = [None] * L
+        for i in range(self.num_dense):
+            self.dense_k[i] = torch.zeros(dshape, device=self.device, dtype=self.dtype)
+            self.dense_v[i] = torch.zeros(dshape, device=self.device, dtype=self.dtype)
+        pooled = list(range(self.num_dense, L))
+        self.k_cap = math.ceil(offload.kv_budget * self.max_seq_len)
+        self.pool = GpuSparseKVPool(
+            pooled, L, max_batch_size, hkv, self.k_cap + 3 * b, d, self.device, self.dtype
+        )
+        if cpu_pool is None:
+            n_pages = max_batch_size * (self.max_seq_len // b + 1)
+            if offload.cpu_kv_gb is not None:
+                cpu_pool = CpuKVPool.from_gib(offload.cpu_kv_gb, len(pooled), hkv, d, b)
+            else:
+                cpu_pool = CpuKVPool(len(pooled), hkv, d, b, n_pages)
+        self.cpu_pool = cpu_pool
+        self.dense_attn = SlotAttention(self.dense_k, self.dense_v) if self.num_dense else None
+        self.sparse_attn = SlotAttention(*self.pool.store(self.pool.active))
+        self.attn = _RoutedAttention(self.num_dense, self.dense_attn, self.sparse_attn)
+        self.worker = RetrievalWorker(
+            model,
+            self.num_dense,
+            self.dense_k,
+            self.dense_v,
+            cpu_pool,
+            self.pool,
+            config.mask_token_id,
+            b,
+            output_mode=offload.output_mode,
+            num_threads=offload.selection_threads,
+            delay=retrieval_delay,
+        )
+        self.record_selection = record_selection
+        self.selections: list[RetrievalJob] = []
+        self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)
+        self.waiting: deque[Request] = deque()
+        self.k_sel: list[int] = []  # selected rows per slot in the active pool
+        self.last_len: list[int] = []  # rows of the last completed block (0 or B) per slot
+        self._phase = "denoise"
+        self._block_step = 0
+        self._job: RetrievalJob | None = None
+        self._draft = torch.empty(0, dtype=torch.long)
+        self._block_t0 = 0.0
+        self.stats = OffloadStats()
+        self.cuda = self.device.type == "cuda"
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def budget_for(self, prefix: int) -> int:
+        """Selected rows per KV head for a block whose committed prefix is ``prefix`` tokens:
+        ``min(ceil(kv_budget x prefix), prefix - last block)``."""
+        last = self.block_size if prefix >= self.block_size else 0
+        return min(math.ceil(self.offload.kv_budget * prefix), prefix - last)
+
+    def _pages_needed(self, req: Request) -> int:
+        return req.layout.total_len // self.block_size + 1  # + the draft / scratch page
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a prompt. Raises ValueError at once if it can never fit (length, CPU pool)."""
+        req = Request(list(prompt_ids), params, self.block_size)
+        if req.layout.total_len > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"needs {req.layout.total_len} tokens, more than max_seq_len={self.max_seq_len}"
+            )
+        need = self._pages_needed(req)
+        total = self.cpu_pool.num_free_pages + self.cpu_pool.num_used_pages
+        if need > total:
+            raise ValueError(
+                f"request needs {need} CPU KV pages ({need * self.block_size} tokens) but the "
+                f"CPU pool holds {total} in all; enlarge it (--cpu-kv-gb)"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
+        self.waiting.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or len(self.batch) > 0
+
+    def close(self) -> None:
+        """Stop the retrieval thread, release every request's pages and the pinned memory."""
+        self.worker.close()
+        for req in self.batch.requests:
+            if req.request_id in self.cpu_pool:
+                self.cpu_pool.free(req.request_id)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    # -- admission: prefill + the first block's exact selection ---------------------------------
+    @torch.inference_mode()
+    def _admit(self) -> None:
+        while (
+            self.waiting
+            and len(self.batch) < self.max_batch_size
+            and self.cpu_pool.can_allocate(self._pages_needed(self.waiting[0]))
+        ):
+            req = self.waiting.popleft()
+            t0 = time.perf_counter()
+            slot = len(self.batch)
+            self.cpu_pool.allocate(req.request_id, self._pages_needed(req))
+            k, last = self._prefill(req, slot)
+            self.k_sel.append(k)
+            self.last_len.append(last)
+            self.batch.add(req)
+            self._sync()
+            self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill(self, req: Request, slot: int) -> tuple[int, int]:
+        """Prompt forward into a temporary full store; KV to the dense store and the CPU pool;
+        the first block's selection with its B queries, exact, on the GPU. Returns (k, last)."""
+        b, cfg = self.block_size, self.config
+        s = req.layout.num_prefill_tokens
+        shape = (1, cfg.num_kv_heads, s + b, cfg.head_dim)
+        tk = [
+            torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_layers)
+        ]
+        tv = [
+            torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_layers)
+        ]
+        temp = SlotAttention(list(tk), list(tv))
+        ids = torch.tensor(req.prompt_ids[:s], dtype=torch.long, device=self.device)
+        for c in range(0, s, self.prefill_chunk):
+            e = min(s, c + self.prefill_chunk)
+            temp.prepare([c], e - c, block_size=b)
+            self.model(ids[None, c:e], torch.arange(c, e, device=self.device)[None], temp)
+        self.stats.num_prefill_tokens += s
+        pages = self.cpu_pool.pages(req.request_id)
+        nblk = s // b
+        for layer in range(cfg.num_layers):
+            if layer < self.num_dense:
+                self.dense_k[layer][slot, :, :s] = tk[layer][0, :, :s]  # type: ignore[index]
+                self.dense_v[layer][slot, :, :s] = tv[layer][0, :, :s]  # type: ignore[index]
+            elif nblk:
+                pl = layer - self.num_dense
+                idx = torch.tensor(pages[:nblk], dtype=torch.long)
+                for src, dst in ((tk, self.cpu_pool.k_pages(pl)), (tv, self.cpu_pool.v_pages(pl))):
+                    rows = src[layer][0, :, :s].to("cpu", dst.dtype)
+                    dst.index_copy_(0, idx, rows.view(-1, nblk, b, cfg.head_dim).transpose(0, 1))
+        last = b if s >= b else 0
+        k = self.budget_for(s)
+        if s == 0:
+            return 0, 0
+        # The first block's B queries, exact over the full prompt KV (DESIGN §2 "Prefill").
+        recorder = _QueryRecorder(temp)
+        start = req.layout.first_block_start
+        toks, _ = self.batch._fresh_block(req)
+        temp.prepare([start], b)
+        pos = torch.arange(start, start + b, device=self.device)[None]
+        self.model(toks[None], pos, recorder)
+        buf = self.pool.active
+        for layer in self.pool.layers:
+            keys, vals = tk[layer][0], tv[layer][0]
+            idx = select_topk_rows(recorder.q[layer][0], keys, s + b, last + b, k)
+            gi = idx[..., None].expand(-1, -1, cfg.head_dim)
+            self.pool.k(buf, layer)[slot, :, :k] = keys.gather(1, gi)
+            self.pool.v(buf, layer)[slot, :, :k] = vals.gather(1, gi)
+            self.pool.k(buf, layer)[slot, :, k : k + last] = keys[:, s - last : s]
+            self.pool.v(buf, layer)[slot, :, k : k + last] = vals[:, s - last : s]
+        return k, last
+
+    # -- one step -------------------------------------------------------------------------------
+    def _prepare(self, length: int = 0, draft_group: bool = False) -> None:
+        b = self.block_size
+        starts = self.batch.starts()
+        if self.dense_attn is not None:
+            self.dense_attn.prepare(starts, length or b, draft_group=draft_group)
+        prefix = [k + last for k, last in zip(self.k_sel, self.last_len, strict=True)]
+        self.sparse_attn.prepare(prefix, length or b, draft_group=draft_group)
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one forward of the running batch (a denoising step, the fused draft step or the
+        commit forward) and return the requests that finished."""
+        if not len(self.batch):
+            self._admit()
+            if not len(self.batch):
+                return []
+            self._phase, self._block_step = "denoise", 0
+        t0 = time.perf_counter()
+        if self._block_step == 0 and self._phase == "denoise":
+            self._block_t0 = t0
+        finished = self._commit() if self._phase == "commit" else self._denoise_step()
+        self.stats.num_forwards += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self.stats.num_generated_tokens += sum(len(r.output_ids) for r in finished)
+        return finished
+
+    def _denoise_step(self) -> list[Request]:
+        b, s = self.block_size, self._block_step
+        input_ids, positions = self.batch.inputs()
+        mage = self.offload.selection_queries == "block"
+        lookahead = self.offload.lookahead == "draft"
+        if s == 0 and mage:
+            self._prepare()
+            hidden = self.model(input_ids, positions, _MageAttention(self))
+        elif s == 1 and lookahead:
+            self._prepare(2 * b, draft_group=True)
+            ids = torch.cat([input_ids, self._draft], dim=1)
+            hidden = self.model(ids, torch.cat([positions, positions], dim=1), self.attn)
+            self._start_retrieval(draft=True)
+        else:
+            self._prepare()
+            hidden = self.model(input_ids, positions, self.attn)
+        want_draft = s == 0 and lookahead
+        finished_rows, _, draft = self.batch.apply(
+            self.model, hidden, advance_clean=False, want_draft=want_draft
+        )
+        if draft is not None:
+            self._draft = draft
+        self._block_step += 1
+        if not bool(self.batch.masked.any()):
+            self._phase = "commit"
+        return [self.batch.requests[i] for i in finished_rows]
+
+    def _start_retrieval(self, draft: bool) -> RetrievalJob:
+        """Copy the tail block's KV (draft, or the committed block) to the CPU pool and hand the
+        next block's selection to the retrieval stream."""
+        b = self.block_size
+        reqs = self.batch.requests
+        starts = self.batch.starts()
+        if draft:
+            # The draft group's KV sits in the active pool right after the block's rows.
+            for layer in self.pool.layers:
+                pl = layer - self.num_dense
+                kc, vc = self.pool.k(self.pool.active, layer), self.pool.v(self.pool.active, layer)
+                for i, req in enumerate(reqs):
+                    p = self.k_sel[i] + self.last_len[i] + b
+                    scratch = len(self.cpu_pool.pages(req.request_id)) - 1
+                    self.cpu_pool.write_block(
+                        pl, req.request_id, scratch, kc[i, :, p : p + b], vc[i, :, p : p + b]
+                    )
+        tables = []
+        for req, st in zip(reqs, starts, strict=True):
+            pages = self.cpu_pool.pages(req.request_id)
+            tail = pages[-1] if draft else pages[st // b]
+            tables.append(pages[: st // b] + [tail])
+        width = max(len(t) for t in tables)
+        page_table = torch.tensor(
+            [t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32
+        )
+        ready = None
+        if self.cuda:
+            # NOTE: the event covers every KV copy issued on the main stream so far (the draft
+            # just above, or the commit's); the retrieval stream and its host reads wait on it.
+            ready = torch.cuda.Event()
+            ready.record()
+        job = RetrievalJob(
+            request_ids=[r.request_id for r in reqs],
+            prefix_lens=starts,
+            dense_tail_start=[st + b if draft else st for st in starts],
+            budgets=[self.budget_for(st + b) for st in starts],
+            query_positions=[st + b + b // 2 for st in starts],
+            page_table=page_table,
+            buffer=self.pool.idle,
+            ready=ready,
+            record=self.record_selection,
+        )
+        if self.record_selection:
+            self.selections.append(job)
+        self._job = self.worker.submit(job) if draft else self.worker.run_now(job)
+        return job
+
+    def _commit(self) -> list[Request]:
+        b = self.block_size
+        input_ids, positions = self.batch.inputs()
+        self._prepare()
+        self.model(input_ids, positions, self.attn)  # the clean block's KV lands in its rows
+        reqs, starts = self.batch.requests, self.batch.starts()
+        live = [i for i, r in enumerate(reqs) if not r.status.finished]
+        active = self.pool.active
+        for layer in self.pool.layers:
+            pl = layer - self.num_dense
+            kc, vc = self.pool.k(active, layer), self.pool.v(active, layer)
+            for i in live:
+                p = self.k_sel[i] + self.last_len[i]
+                self.cpu_pool.write_block(
+                    pl, reqs[i].request_id, starts[i] // b, kc[i, :, p : p + b], vc[i, :, p : p + b]
+                )
+        main_t = time.perf_counter() - self._block_t0
+        stall, retrieval = 0.0, 0.0
+        k_next = [self.budget_for(st + b) for st in starts]
+        if self.offload.selection_queries == "representative":
+            if self._job is None:  # lookahead off (or no step 1 ran): select now, after commit
+                self._start_retrieval(draft=False)
+            assert self._job is not None
+            stream = torch.cuda.current_stream(self.device) if self.cuda else None
+            stall = self._job.wait(stream)
+            retrieval = self._job.seconds
+            self._job = None
+        # The completed block becomes the next pool's last block: active rows -> idle rows.
+        idle = self.pool.idle
+        for layer in self.pool.layers:
+            for src, dst in (
+                (self.pool.k(active, layer), self.pool.k(idle, layer)),
+                (self.pool.v(active, layer), self.pool.v(idle, layer)),
+            ):
+                for i in range(len(reqs)):
+                    p = self.k_sel[i] + self.last_len[i]
+                    dst[i, :, k_next[i] : k_next[i] + b] = src[i, :, p : p + b]
+        self.pool.swap()
+        self.sparse_attn.set_store(*self.pool.store(self.pool.active))
+        self.k_sel, self.last_len = k_next, [b] * len(reqs)
+        self.stats.blocks.append(BlockTiming(main_t, retrieval, stall, len(reqs)))
+        # Finished requests leave; the rest move to their next block.
+        done = [i for i, r in enumerate(reqs) if r.status.finished]
+        self.batch.advance([i for i in range(len(reqs)) if i not in done])
+        for i in done:
+            self.cpu_pool.free(reqs[i].request_id)
+        for src_row, dst_row in self.batch.remove(done):
+            self._move_slot(src_row, dst_row)
+        for i in sorted(done, reverse=True):
+            last = len(self.k_sel) - 1
+            self.k_sel[i], self.last_len[i] = self.k_sel[last], self.last_len[last]
+            self.k_sel.pop()
+            self.last_len.pop()
+        self._phase, self._block_step = "denoise", 0
+        self._admit()
+        return []
+
+    def _move_slot(self, src: int, dst: int) -> None:
+        for t in self.dense_k[: self.num_dense] + self.dense_v[: self.num_dense]:
+            assert t is not None
+            t[dst].copy_(t[src])
+        self.pool.move_slot(src, dst)
+
+    # -- MAGE step 0 ----------------------------------------------------------------------------
+    def _full_rows(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's committed K/V of ``layer`` from the CPU pool: [Hkv, start, D] each."""
+        b, pl = self.block_size, layer - self.num_dense
+        ids = self.cpu_pool.pages(self.batch.requests[i].request_id)[: start // b]
+        pages = torch.tensor(ids, dtype=torch.long)
+        out = []
+        for pool in (self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)):
+            rows = (
+                pool.index_select(0, pages)
+                .transpose(0, 1)
+                .reshape(pool.shape[1], start, pool.shape[3])
+            )
+            out.append(rows.to(self.device, self.dtype, non_blocking=True))
+        return out[0], out[1]
+
+    def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
+        """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
+        b, buf = self.block_size, self.pool.active
+        outs = []
+        for i, st in enumerate(self.batch.starts()):
+            kr, vr = self._full_rows(layer, i, st)
+            keys = torch.cat([kr, k[i].transpose(0, 1)], dim=1)  # [Hkv, st + B, D]
+            vals = torch.cat([vr, v[i].transpose(0, 1)], dim=1)
+            outs.append(_sdpa_folded(q[i : i + 1], keys[None], vals[None], None))
+            kk = self.k_sel[i]
+            idx = select_topk_rows(q[i], keys, st + b, self.last_len[i] + b, kk)
+            gi = idx[..., None].expand(-1, -1, keys.shape[-1])
+            self.pool.k(buf, layer)[i, :, :kk] = keys.gather(1, gi)
+            self.pool.v(buf, layer)[i, :, :kk] = vals.gather(1, gi)
+        return torch.cat(outs)
+
+    def _mage_layer_cpu(self, layer: int, q, k, v) -> torch.Tensor:
+        """Exact attention + top-k with the CPU kernel (B queries, n_q = B)."""
+        b, buf, pl = self.block_size, self.pool.active, layer - self.num_dense
+        reqs, starts = self.batch.requests, self.batch.starts()
+        tables = []
+        for i, req in enumerate(reqs):
+            pages = self.cpu_pool.pages(req.request_id)
+            # The current block's K/V go to the scratch page: attended, never selected.
+            self.cpu_pool.write_block(
+                pl, req.request_id, len(pages) - 1, k[i].transpose(0, 1), v[i].transpose(0, 1)
+            )
+            tables.append(pages[: starts[i] // b] + [pages[-1]])
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # NOTE: copies before reads
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        seq = torch.tensor([st + b for st in starts], dtype=torch.int32)
+        tails = torch.tensor([last + b for last in self.last_len], dtype=torch.int32)
+        budgets = torch.tensor([max(kk, 1) for kk in self.k_sel], dtype=torch.int32)
+        kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
+        res = select_topk(
+            q.to("cpu", torch.bfloat16),
+            kp,
+            vp,
+            table,
+            seq,
+            budgets,
+            tail_lens=tails,
+            output_mode=self.offload.output_mode,
+            num_threads=self.offload.selection_threads,
+        )
+        out = gather_selected(kp, vp, table, res.indices, res.num_selected)
+        gk, gv = out[0].to(self.device, self.dtype), out[1].to(self.device, self.dtype)
+        for i, kk in enumerate(self.k_sel):
+            # Exactly k rows per request: the last completed block's rows follow them.
+            self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
+            self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
+        return res.attn_output.to(self.device, self.dtype)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[Request]:
+        """Decode every prompt to completion; returns the requests in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        self._sync()
+        return reqs
+
+
+class _QueryRecorder:
+    """Attention backend wrapper that keeps each layer's queries."""
+
+    def __init__(self, inner: SlotAttention) -> None:
+        self.inner = inner
+        self.q: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.q[layer_id] = q
+        return self.inner.forward(layer_id, q, k, v)

@@ -1,0 +1,251 @@
+"""The retrieval stream: block n+1's selection phase, run while block n denoises (paper §IV-B3).
+
+A :class:`RetrievalWorker` owns one thread and, on CUDA, one CUDA stream. For each
+:class:`RetrievalJob` it runs a single-token forward of the representative [MASK] query at the
+centre of the next block through every layer:
+
+- dense layers (the first ``num_dense_layers``): exact attention on the GPU over the dense store's
+  prefix rows plus the tail block (the draft, or the completed block when lookahead is off);
+- offloaded layers: the query goes to the CPU, :func:`herald.kv.selection.select_topk` runs exact
+  attention over the CPU pool (prefix pages + tail page, the tail attended but never ranked) and
+  returns the output and the top-k rows; the GPU runs o_proj + FFN for the next layer while the
+  CPU gathers the selected K/V rows into pinned staging and one async copy per layer fills the
+  idle sparse pool.
+
+Fences (each has a NOTE where it is enforced):
+- the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete);
+- the staging buffer of a layer is reused only after its previous host-to-device copy completed;
+- the main stream reads the idle pool only after waiting on ``cuda_done``
+  (:meth:`RetrievalJob.wait`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from herald.kv.cpu_pool import CpuKVPool
+from herald.kv.dense_cache import attend_prefix_and_tail
+from herald.kv.pinned import register_pinned, unregister_pinned
+from herald.kv.selection import gather_selected, select_topk
+from herald.kv.sparse_pool import GpuSparseKVPool
+from herald.models.base import BlockDiffusionLM, DecoderLayer
+
+
+@dataclass
+class RetrievalJob:
+    """Select for the next block of rows ``0..n-1`` (KV slot order).
+
+    ``prefix_lens[i]`` tokens of committed prefix are ranked (pages ``page_table[i, :prefix/B]``);
+    the tail block (page ``page_table[i, prefix/B]``) is attended but never selected; its dense-
+    layer rows sit at ``dense_tail_start[i]``. ``budgets[i]`` entries per KV head are selected
+    into rows ``[0, k)`` of ``pool`` buffer ``buffer``.
+    """
+
+    request_ids: list[str]
+    prefix_lens: list[int]
+    dense_tail_start: list[int]
+    budgets: list[int]
+    query_positions: list[int]
+    page_table: torch.Tensor
+    buffer: int
+    ready: torch.cuda.Event | None = None
+    record: bool = False
+    # Filled by the worker.
+    num_selected: list[int] = field(default_factory=list)
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+    cuda_done: torch.cuda.Event | None = None
+    error: BaseException | None = None
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> float:
+        """Block the host until the job ran; make ``stream`` wait for its GPU work. Returns the
+        host seconds spent waiting (the block-boundary stall)."""
+        t0 = time.perf_counter()
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError("retrieval stream failed") from self.error
+        if stream is not None and self.cuda_done is not None:
+            # NOTE: copy-before-read: the main stream reads the idle pool after this point only.
+            stream.wait_event(self.cuda_done)
+        return time.perf_counter() - t0
+
+
+class RetrievalWorker:
+    """Runs :class:`RetrievalJob` s on a background thread (and its own CUDA stream)."""
+
+    def __init__(
+        self,
+        model: BlockDiffusionLM,
+        num_dense_layers: int,
+        dense_k: list[torch.Tensor | None],
+        dense_v: list[torch.Tensor | None],
+        cpu_pool: CpuKVPool,
+        pool: GpuSparseKVPool,
+        mask_token_id: int,
+        block_size: int,
+        *,
+        output_mode: str = "full",
+        num_threads: int | None = None,
+        delay: Callable[[], float] | None = None,
+    ) -> None:
+        self.model = model
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        self.num_dense = num_dense_layers
+        self.dense_k, self.dense_v = dense_k, dense_v
+        self.cpu_pool, self.pool = cpu_pool, pool
+        self.mask_token_id, self.block_size = mask_token_id, block_size
+        self.output_mode, self.num_threads = output_mode, num_threads
+        self.delay = delay
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements.
+        hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
+        numel = 2 * pool.num_slots * hkv * pool.capacity * d
+        self._staging = [torch.empty(numel, dtype=cpu_pool.dtype) for _ in pool.layers]
+        self._pinned: list[list[int]] = []
+        if self.cuda:
+            self._pinned = [register_pinned(t) for t in self._staging]
+        self._staging_free = [None] * len(self._staging)  # events of the last H2D per buffer
+        self._queue: queue.Queue[RetrievalJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="herald-retrieval", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: RetrievalJob) -> RetrievalJob:
+        self._queue.put(job)
+        return job
+
+    def run_now(self, job: RetrievalJob) -> RetrievalJob:
+        """Run ``job`` on the calling thread (lookahead off: the caller waits anyway)."""
+        self._run(job)
+        return job
+
+    def close(self) -> None:
+        """Stop the thread; unregister the pinned staging (after all its copies completed)."""
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            for addresses in self._pinned:
+                unregister_pinned(addresses)
+            self._pinned = []
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+
+    def _run(self, job: RetrievalJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.cuda:
+                assert self.stream is not None
+                with torch.cuda.stream(self.stream), torch.inference_mode():
+                    if job.ready is not None:
+                        # NOTE: copy-before-read: the draft / committed KV copies of the main
+                        # stream complete before this stream reads the dense store, and the
+                        # host reads of the CPU pool below wait for the same event.
+                        self.stream.wait_event(job.ready)
+                        job.ready.synchronize()
+                    self._select(job)
+                    job.cuda_done = torch.cuda.Event()
+                    job.cuda_done.record(self.stream)
+            else:
+                with torch.inference_mode():
+                    self._select(job)
+        except BaseException as e:  # surfaced to the main thread by RetrievalJob.wait
+            job.error = e
+        job.seconds = time.perf_counter() - t0
+        job.done.set()
+
+    def _select(self, job: RetrievalJob) -> None:
+        n, b = len(job.request_ids), self.block_size
+        if self.delay is not None:
+            time.sleep(self.delay())
+        ids = torch.full((n, 1), self.mask_token_id, dtype=torch.long, device=self.device)
+        pos = torch.tensor(job.query_positions, dtype=torch.long, device=self.device)[:, None]
+        hidden = self.model.embed(ids)
+        seq = torch.tensor([p + b for p in job.prefix_lens], dtype=torch.int32)
+        tails = torch.full((n,), b, dtype=torch.int32)
+        budgets = torch.tensor([max(x, 1) for x in job.budgets], dtype=torch.int32)
+        for layer_id, layer in enumerate(self.layers):
+            q, _, _ = layer.qkv(hidden, pos)
+            if layer_id < self.num_dense:
+                kc, vc = self.dense_k[layer_id], self.dense_v[layer_id]
+                assert kc is not None and vc is not None
+                o = attend_prefix_and_tail(
+                    q, kc[:n], vc[:n], job.prefix_lens, job.dense_tail_start, b
+                )
+            else:
+                o = self._offloaded_layer(job, layer_id, q, seq, tails, budgets)
+            hidden = layer.finish(hidden, o)
+            if self.delay is not None:
+                time.sleep(self.delay())
+
+    def _offloaded_layer(
+        self,
+        job: RetrievalJob,
+        layer_id: int,
+        q: torch.Tensor,
+        seq: torch.Tensor,
+        tails: torch.Tensor,
+        budgets: torch.Tensor,
+    ) -> torch.Tensor:
+        n = len(job.request_ids)
+        pl = layer_id - self.num_dense
+        kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
+        q_cpu = q.to("cpu", torch.bfloat16)  # synchronises this stream: q is ready
+        res = select_topk(
+            q_cpu,
+            kp,
+            vp,
+            job.page_table,
+            seq,
+            budgets,
+            tail_lens=tails,
+            output_mode=self.output_mode,
+            num_threads=self.num_threads,
+        )
+        if not job.num_selected:
+            job.num_selected = res.num_selected.tolist()
+        if job.record:
+            job.recorded[layer_id] = (q_cpu.clone(), res.indices.clone())
+        o = res.attn_output.to(self.device, self.dtype, non_blocking=True)
+        kmax = res.indices.shape[-1]
+        hkv, d = kp.shape[1], kp.shape[3]
+        slot = self.pool.layers.index(layer_id)
+        prev = self._staging_free[slot]
+        if prev is not None:
+            # NOTE: no staging reuse before its copy is done: the previous block's H2D from this
+            # buffer must have completed before the gather overwrites it.
+            prev.synchronize()
+        out = self._staging[slot][: 2 * n * hkv * kmax * d].view(2, n, hkv, kmax, d)
+        gather_selected(
+            kp,
+            vp,
+            job.page_table,
+            res.indices,
+            res.num_selected,
+            out=out,
+            num_threads=self.num_threads,
+        )
+        # Rows past a request's k in [0, kmax) receive garbage here; the engine writes the last
+        # completed block over them after the boundary wait, and attention never reads past
+        # k + B for that request.
+        self.pool.k(job.buffer, layer_id)[:n, :, :kmax].copy_(out[0], non_blocking=True)
+        self.pool.v(job.buffer, layer_id)[:n, :, :kmax].copy_(out[1], non_blocking=True)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self._staging_free[slot] = ev  # type: ignore[call-overload]
+        return o.view(n, 1, -1, d)
