@@ -1,4 +1,4 @@
-"""Offloading engine (HERALD / MAGE-Offload): budget-1.0 equals dense, fences, selection (issue 4)."""
+"""Offloading engine (HERALD / MAGE-Offload): budget 1.0 equals dense, fences, selection."""
 
 from __future__ import annotations
 
