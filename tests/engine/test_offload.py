@@ -138,3 +138,20 @@ def test_offload_config_validation():
         OffloadConfig(kv_budget=0.0).validate()
     with pytest.raises(ValueError, match="unknown offload mode"):
         OffloadConfig.for_mode("nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_budget_one_equals_dense_on_gpu(preset):
+    config = get_preset(preset)
+    model = build_model(config, device="cuda", dtype=torch.bfloat16, seed=1)
+    prompts = _prompts(config, [70, 20, 130, 64])
+    params = SamplingParams(max_new_tokens=72, ignore_eos=True)
+    dense = DenseEngine(model, config, max_batch_size=4, max_seq_len=256)
+    ref = [r.output_ids for r in dense.generate(prompts, params)]
+    for mode in ("herald", "mage-gpu", "mage-cpu"):
+        eng = OffloadEngine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
+        got = [r.output_ids for r in eng.generate(prompts, params)]
+        eng.close()
+        assert got == ref, mode
+        assert eng.cpu_pool.num_used_pages == 0

@@ -1,0 +1,122 @@
+"""HERALD engine run at full size (issue 4 acceptance): per-block main / retrieval / stall times
+and GPU memory per request against dense, on the GPU machine.
+
+``python -m herald.bench.offload --out results/offload`` (defaults: LLaDA2.0-mini, 32K-token
+prompts, batch 32, 5% budget, fixed T = 20, B = 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.bench.common import command_line, machine_info, write_json
+from herald.config import OffloadConfig, SamplingParams
+from herald.engine.offload import OffloadEngine
+
+
+def main(argv: list[str] | None = None) -> int:
+    from herald.models.loader import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path("results/offload"))
+    ap.add_argument("--preset", default="llada2-mini")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=0.05)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
+    ap.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (smoke run)")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)")
+    t0 = time.perf_counter()
+    model, config, _ = load_model(
+        args.preset, device=args.device, dtype=torch.bfloat16, random_init_seed=0, block_size=32
+    )
+    print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
+    b = config.block_size
+    seq = args.context + args.new_tokens
+    mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    base = mem()
+    cfg = OffloadConfig.for_mode("herald", kv_budget=args.budget, output_mode=args.output_mode)
+    t0 = time.perf_counter()
+    eng = OffloadEngine(model, config, cfg, max_batch_size=args.batch, max_seq_len=seq)
+    setup_s = time.perf_counter() - t0
+    print(f"engine set up in {setup_s:.1f} s: {eng.cpu_pool.describe()}", flush=True)
+    engine_gpu = (
+        mem() - base
+        if cuda
+        else eng.pool.num_bytes
+        + sum(t.numel() * t.element_size() for t in eng.dense_k + eng.dense_v if t is not None)
+    )
+    g = torch.Generator().manual_seed(0)
+    hi = min(config.mask_token_id, *config.eos_token_ids)
+    prompts = torch.randint(0, hi, (args.batch, args.context), generator=g).tolist()
+    params = SamplingParams(
+        max_new_tokens=args.new_tokens, num_denoise_steps=args.steps, ignore_eos=True
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    reqs = eng.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    st = eng.stats
+    gen = sum(len(r.output_ids) for r in reqs)
+    blocks = [vars(x) for x in st.blocks]
+    steady = blocks[1:] or blocks
+    hkv, d = config.num_kv_heads, config.head_dim
+    dense_per_req = config.num_layers * 2 * seq * hkv * d * 2
+    herald_per_req = engine_gpu / args.batch
+    result: dict[str, Any] = {
+        "preset": args.preset,
+        "context": args.context,
+        "batch": args.batch,
+        "kv_budget": args.budget,
+        "output_mode": args.output_mode,
+        "num_denoise_steps": args.steps,
+        "block_size": b,
+        "generated_tokens": gen,
+        "decode_seconds": st.decode_seconds,
+        "decode_tokens_per_s": gen / st.decode_seconds,
+        "prefill_seconds": st.prefill_seconds,
+        "wall_seconds": wall,
+        "engine_setup_seconds": setup_s,
+        "cpu_pool": eng.cpu_pool.describe(),
+        "cpu_pool_pin_seconds": eng.cpu_pool.pin_seconds,
+        "blocks": blocks,
+        "median_block_main_s": statistics.median(x["main"] for x in steady),
+        "median_block_retrieval_s": statistics.median(x["retrieval"] for x in steady),
+        "median_block_stall_s": statistics.median(x["stall"] for x in steady),
+        "gpu_bytes_per_request_herald": herald_per_req,
+        "gpu_bytes_per_request_dense_kv": dense_per_req,
+        "gpu_memory_ratio_dense_over_herald": dense_per_req / herald_per_req,
+        "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "cpu_pool_used_pages_after": eng.cpu_pool.num_used_pages,
+        "k_per_head_at_context": math.ceil(args.budget * args.context),
+    }
+    eng.close()
+    result["cpu_pool_used_pages_after_close"] = eng.cpu_pool.num_used_pages
+    payload = {"command": command_line(), "machine": machine_info(), "result": result}
+    write_json(args.out / "offload.json", payload)
+    print(
+        f"decode {result['decode_tokens_per_s']:.0f} tok/s; per block: main "
+        f"{result['median_block_main_s'] * 1e3:.0f} ms, retrieval "
+        f"{result['median_block_retrieval_s'] * 1e3:.0f} ms, stall "
+        f"{result['median_block_stall_s'] * 1e3:.0f} ms; GPU/request herald "
+        f"{herald_per_req / 2**20:.0f} MiB vs dense KV {dense_per_req / 2**20:.0f} MiB "
+        f"({result['gpu_memory_ratio_dense_over_herald']:.1f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
