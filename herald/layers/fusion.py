@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -22,6 +23,7 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 _RECOMPILE_LIMIT = 64
+_MAIN_THREAD = threading.main_thread()
 
 
 def compile_enabled() -> bool:
@@ -38,7 +40,9 @@ def cuda_compiled(fn: F) -> F:
         first = args[0]
         if not (isinstance(first, torch.Tensor) and first.is_cuda and compile_enabled()):
             return fn(*args, **kwargs)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or threading.current_thread() is not _MAIN_THREAD:
+            # Dynamo is not thread-safe: the retrieval worker thread runs the eager function
+            # (its single-token forwards are tiny), only the main thread compiles.
             return fn(*args, **kwargs)
         if compiled is None:
             # Each model config (dims, eps, expert counts) and dtype is its own specialisation;
