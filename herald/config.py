@@ -108,8 +108,10 @@ class OffloadConfig:
         if not 0.0 < self.kv_budget <= 1.0:
             raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
         if self.selection_queries == "block" and self.lookahead != "off":
-            raise ValueError("block-query (MAGE) selection needs the block's own queries: "
-                             "it cannot run ahead on a draft (use lookahead='off')")
+            raise ValueError(
+                "block-query (MAGE) selection needs the block's own queries: "
+                "it cannot run ahead on a draft (use lookahead='off')"
+            )
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
 
@@ -118,10 +120,15 @@ class OffloadConfig:
         """``herald`` (CPU, representative query, draft lookahead, 5%) or ``mage`` (block
         queries at step 0, no lookahead, 2.5%, GPU selection); overrides win."""
         presets: dict[str, dict[str, object]] = {
-            "herald": dict(selection_device="cpu", selection_queries="representative",
-                           lookahead="draft", kv_budget=0.05),
-            "mage": dict(selection_device="gpu", selection_queries="block", lookahead="off",
-                         kv_budget=0.025),
+            "herald": dict(
+                selection_device="cpu",
+                selection_queries="representative",
+                lookahead="draft",
+                kv_budget=0.05,
+            ),
+            "mage": dict(
+                selection_device="gpu", selection_queries="block", lookahead="off", kv_budget=0.025
+            ),
         }
         if mode not in presets:
             raise ValueError(f"unknown offload mode {mode!r}; one of {sorted(presets)}")

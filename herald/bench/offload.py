@@ -21,6 +21,64 @@ from herald.config import OffloadConfig, SamplingParams
 from herald.engine.offload import OffloadEngine
 
 
+def write_report(json_path: Path) -> Path:
+    """README.md next to ``json_path`` with the per-block table and the memory comparison."""
+    import json
+
+    d = json.loads(json_path.read_text())
+    r, m = d["result"], d["machine"]
+    lines = [
+        "# HERALD engine at full size (issue 4)",
+        "",
+        f"`{d['command']}` on {m['date_utc']}: {m.get('gpu')}, {m.get('cpu_model')} "
+        f"x{m.get('cpu_count')}, torch {m['torch']}.",
+        "",
+        f"{r['preset']}, random bf16 weights, {r['batch']} requests x {r['context']}-token "
+        f"prompts, herald mode (CPU selection, representative query, draft lookahead), budget "
+        f"{r['kv_budget']:.0%} (k = {r['k_per_head_at_context']} per KV head at the full "
+        f"context), kernel output mode `{r['output_mode']}`, B = {r['block_size']}, fixed "
+        f"T = {r['num_denoise_steps']}, {r['generated_tokens']} tokens generated.",
+        "",
+        f"- {r['cpu_pool']}",
+        f"- prefill {r['prefill_seconds']:.1f} s; decode {r['decode_seconds']:.1f} s = "
+        f"{r['decode_tokens_per_s']:.0f} tokens/s; peak GPU memory "
+        f"{r['peak_gpu_memory_gib']:.1f} GiB",
+        f"- GPU memory per request: herald {r['gpu_bytes_per_request_herald'] / 2**20:.0f} MiB "
+        f"(dense layers' KV + both sparse pools) vs dense "
+        f"{r['gpu_bytes_per_request_dense_kv'] / 2**20:.0f} MiB of KV: "
+        f"{r['gpu_memory_ratio_dense_over_herald']:.1f}x less",
+        f"- CPU pool pages in use after the run: {r['cpu_pool_used_pages_after']}",
+        "",
+        "| block | batch | main stream s | retrieval stream s | boundary stall s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for i, b in enumerate(r["blocks"]):
+        lines.append(
+            f"| {i} | {b['batch']} | {b['main']:.3f} | {b['retrieval']:.3f} | {b['stall']:.4f} |"
+        )
+    lines += ["", NOTES]
+    out = json_path.parent / "README.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+NOTES = """Block 0 includes one-time costs (the selection library's first load, torch.compile of
+the fused element-wise kernels). From block 1 on, the retrieval stream (18 offloaded layers x
+the CPU kernel over 32 x 32K tokens, plus gather and copies) takes ~0.9 s and is fully hidden
+behind the main stream: the boundary stall is ~0. The main stream itself is slow here (~100 ms a
+forward, eager, with per-request Python loops for the KV hand-offs): this run shows the pipeline
+works at size, it is not yet a throughput measurement (issue 5 owns that, and the main stream
+needs CUDA graphs and batched KV hand-offs first).
+
+Open problem (GPU only): `pytest -m gpu tests/engine/test_offload.py` (tiny models, four
+requests of different lengths, budget 1.0) fails: the retrieval stream's CPU kernel reports a
+non-finite score (NaN in the representative query or in K) for one request. The same test passes
+on the CPU (CI), where the retrieval thread also runs concurrently, and the full-size run above
+(uniform lengths) produced no NaN. `gpu_tests.log` holds the failure; the cause is not found yet.
+A missing fence on the MAGE-GPU path (host reads of CPU pages right after the asynchronous commit
+copies) was found by inspection and fixed after this run."""
+
+
 def main(argv: list[str] | None = None) -> int:
     from herald.models.loader import load_model
 
@@ -34,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
     ap.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (smoke run)")
+    ap.add_argument("--report", type=Path, default=None, help="only rewrite README.md from JSON")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        print(f"wrote {write_report(args.report)}")
+        return 0
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (or --device cpu for a smoke run)")
@@ -107,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     result["cpu_pool_used_pages_after_close"] = eng.cpu_pool.num_used_pages
     payload = {"command": command_line(), "machine": machine_info(), "result": result}
     write_json(args.out / "offload.json", payload)
+    write_report(args.out / "offload.json")
     print(
         f"decode {result['decode_tokens_per_s']:.0f} tok/s; per block: main "
         f"{result['median_block_main_s'] * 1e3:.0f} ms, retrieval "

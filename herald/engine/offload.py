@@ -480,6 +480,10 @@ class OffloadEngine:
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
         b, buf = self.block_size, self.pool.active
+        if self.cuda:
+            # NOTE: copy-before-read: the commit's device-to-host copies into the CPU pool are
+            # asynchronous; the host reads the pages below only after they completed.
+            torch.cuda.current_stream(self.device).synchronize()
         outs = []
         for i, st in enumerate(self.batch.starts()):
             kr, vr = self._full_rows(layer, i, st)
