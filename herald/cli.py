@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,6 +92,29 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--ignore-eos", action="store_true", help="decode past EOS")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--mode",
+        default="dense",
+        choices=["dense", "herald", "mage"],
+        help="dense (full KV on the device) or an offloading mode (full KV in CPU "
+        "memory): herald = CPU selection + representative query + draft lookahead; "
+        "mage = block queries at each block's first step",
+    )
+    g.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="fraction of the prefix kept per KV head (herald 0.05, mage 0.025)",
+    )
+    g.add_argument("--cpu-kv-gb", type=float, default=None, help="CPU KV pool size in GiB")
+    g.add_argument("--selection-device", choices=["cpu", "gpu"], default=None)
+    g.add_argument("--lookahead", choices=["draft", "off"], default=None)
+    g.add_argument(
+        "--kernel-output",
+        choices=["full", "selected"],
+        default=None,
+        help="CPU selection kernel output mode",
+    )
 
     r = sub.add_parser(
         "init-random", help="write a random-weight checkpoint (HF format) for a preset"
@@ -118,7 +142,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset, load_model
 
     device = _resolve_device(args.device)
-    dtype = args.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = args.dtype or (
+        torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
+    )
     overrides = {}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
@@ -154,21 +180,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    engine = DenseEngine(
-        model,
-        config,
-        max_batch_size=1,
-        max_seq_len=len(ids) + args.max_new_tokens + config.block_size,
-    )
+    max_len = len(ids) + args.max_new_tokens + config.block_size
+    engine: Any
+    if args.mode == "dense":
+        engine = DenseEngine(model, config, max_batch_size=1, max_seq_len=max_len)
+    else:
+        from herald.config import OffloadConfig
+        from herald.engine.offload import OffloadEngine
+
+        chosen = dict(
+            kv_budget=args.kv_budget,
+            cpu_kv_gb=args.cpu_kv_gb,
+            selection_device=args.selection_device,
+            lookahead=args.lookahead,
+            output_mode=args.kernel_output,
+        )
+        try:
+            offload = OffloadConfig.for_mode(
+                args.mode, **{k: v for k, v in chosen.items() if v is not None}
+            )
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        engine = OffloadEngine(model, config, offload, max_batch_size=1, max_seq_len=max_len)
+        print(engine.cpu_pool.describe(), file=sys.stderr)
     bar = tqdm(
         total=args.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr, desc="decoding"
     )
-
-    def on_step(eng: DenseEngine) -> None:
-        done = sum(len(r.output_ids) for r in eng.batch.requests)
-        bar.update(max(0, done - bar.n))
-
-    reqs = engine.generate([ids], params, on_step=on_step)
+    req = engine.add_request(ids, params)
+    while engine.has_unfinished():
+        engine.step()
+        bar.update(max(0, len(req.output_ids) - bar.n))
+    if args.mode != "dense":
+        engine.close()
+    reqs = [req]
     bar.update(max(0, len(reqs[0].output_ids) - bar.n))
     bar.close()
     req = reqs[0]
@@ -185,6 +229,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"decode {decode_s:.2f} s, {len(req.output_ids) / decode_s:.1f} tokens/s",
         file=sys.stderr,
     )
+    for i, b in enumerate(getattr(st, "blocks", [])):
+        print(
+            f"block {i}: main stream {b.main * 1e3:.1f} ms | retrieval stream "
+            f"{b.retrieval * 1e3:.1f} ms | boundary stall {b.stall * 1e3:.1f} ms",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -122,6 +122,11 @@ class OffloadEngine:
         self.model, self.config, self.offload = model, config, offload
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.dtype != torch.bfloat16:
+            raise ValueError(
+                f"offloading modes run bf16 models (the CPU pool and the selection kernel hold "
+                f"bf16), got {self.dtype}"
+            )
         b = self.block_size = config.block_size
         L = config.num_layers
         self.num_dense = min(offload.num_dense_layers, L)
