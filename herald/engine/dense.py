@@ -19,7 +19,7 @@ import torch
 from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
-from herald.engine.request import Request
+from herald.engine.request import Request, new_request
 from herald.kv.dense_cache import DenseAttention, DenseKVCache
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -95,15 +95,13 @@ class DenseEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         """Queue a prompt. Raises ValueError if it can never fit or holds out-of-vocab ids."""
-        req = Request(list(prompt_ids), params, self.config.block_size)
-        if req.layout.total_len > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"needs {req.layout.total_len} tokens, more than max_seq_len={self.max_seq_len}"
-            )
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
+        req = new_request(
+            list(prompt_ids),
+            params,
+            self.config.block_size,
+            self.max_seq_len,
+            self.config.vocab_size,
+        )
         self.waiting.append(req)
         return req
 

@@ -32,7 +32,7 @@ import torch
 
 from herald.config import OffloadConfig, SamplingParams
 from herald.diffusion.batch import DecodeBatch
-from herald.engine.request import Request
+from herald.engine.request import Request, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.dense_cache import SlotAttention, _sdpa_folded
@@ -196,12 +196,9 @@ class OffloadEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         """Queue a prompt. Raises ValueError at once if it can never fit (length, CPU pool)."""
-        req = Request(list(prompt_ids), params, self.block_size)
-        if req.layout.total_len > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"needs {req.layout.total_len} tokens, more than max_seq_len={self.max_seq_len}"
-            )
+        req = new_request(
+            list(prompt_ids), params, self.block_size, self.max_seq_len, self.config.vocab_size
+        )
         need = self._pages_needed(req)
         total = self.cpu_pool.num_free_pages + self.cpu_pool.num_used_pages
         if need > total:
@@ -209,9 +206,6 @@ class OffloadEngine:
                 f"request needs {need} CPU KV pages ({need * self.block_size} tokens) but the "
                 f"CPU pool holds {total} in all; enlarge it (--cpu-kv-gb)"
             )
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
         self.waiting.append(req)
         return req
 

@@ -66,3 +66,28 @@ class Request:
     @property
     def num_denoise_steps(self) -> int:
         return sum(self.steps_per_block)
+
+
+def new_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    block_size: int,
+    max_seq_len: int,
+    vocab_size: int,
+) -> Request:
+    """Build a :class:`Request` after the checks every engine makes before queueing it.
+
+    Raises:
+        ValueError: bad sampling params, an empty prompt, a prompt + ``max_new_tokens`` longer
+            than ``max_seq_len`` (in whole blocks), or token ids outside ``[0, vocab_size)``.
+    """
+    req = Request(list(prompt_ids), params, block_size)
+    if req.layout.total_len > max_seq_len:
+        raise ValueError(
+            f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            f"needs {req.layout.total_len} tokens, more than max_seq_len={max_seq_len}"
+        )
+    bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
+    return req
