@@ -123,16 +123,39 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
+    for p in (g, r):
+        p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return parser
 
 
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown --device {name!r}: use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported --device {name!r}: use cpu or cuda[:N]")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda given but no CUDA GPU is available")
+        raise ValueError("--device cuda given but no CUDA GPU is available")
     return dev
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    else:
+        path: Path = args.prompt_file
+        if path.is_dir():
+            raise ValueError(f"--prompt-file {path} is a directory")
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompt-file {path} is not UTF-8 text") from None
+    if not text:
+        raise ValueError("the prompt is empty")
+    return text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -141,7 +164,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from herald.engine.dense import DenseEngine
     from herald.models.loader import is_preset, load_model
 
+    # Everything that can be checked without the model is checked first.
     device = _resolve_device(args.device)
+    text = _read_prompt(args)
+    if args.block_size is not None and not 1 <= args.block_size <= 1024:
+        raise ValueError(f"--block-size must be in [1, 1024], got {args.block_size}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        threshold=args.threshold,
+        num_denoise_steps=args.steps,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    params.validate()
     dtype = args.dtype or (
         torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
     )
@@ -156,30 +196,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.model, device=device, dtype=dtype, random_init_seed=args.seed, **overrides
     )
     load_s = time.perf_counter() - t0
-    if is_preset(args.model):
+    if is_preset(args.model) or config.hf_config.get("herald_random_weights"):
         print(
-            f"NOTE: '{args.model}' is a preset with RANDOM weights: the text below is noise, "
+            f"NOTE: '{args.model}' has RANDOM weights: the text below is noise, "
             "shown to exercise the decoder, not a trained model's output.",
             file=sys.stderr,
         )
-    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     ids = tokenizer.encode(text)
     if args.max_prompt_tokens is not None:
         ids = ids[-args.max_prompt_tokens :]
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        threshold=args.threshold,
-        num_denoise_steps=args.steps,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    if len(ids) + args.max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens; keep the end of the "
+            "prompt with --max-prompt-tokens"
+        )
     max_len = len(ids) + args.max_new_tokens + config.block_size
     engine: Any
     if args.mode == "dense":
@@ -195,12 +226,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             lookahead=args.lookahead,
             output_mode=args.kernel_output,
         )
-        try:
-            offload = OffloadConfig.for_mode(
-                args.mode, **{k: v for k, v in chosen.items() if v is not None}
-            )
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        offload = OffloadConfig.for_mode(
+            args.mode, **{k: v for k, v in chosen.items() if v is not None}
+        )
         engine = OffloadEngine(model, config, offload, max_batch_size=1, max_seq_len=max_len)
         print(engine.cpu_pool.describe(), file=sys.stderr)
     bar = tqdm(
@@ -224,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"loaded in {load_s:.2f} s\n"
         f"prompt tokens {req.prompt_len} (prefilled {st.num_prefill_tokens} in "
         f"{st.prefill_seconds:.2f} s) | generated tokens {len(req.output_ids)} "
-        f"({req.finish_reason}) | blocks {len(req.steps_per_block)} of {config.block_size} | "
+        f"({req.finish_reason}) | blocks {len(req.steps_per_block)} (B = {config.block_size}) | "
         f"denoising steps per block {req.steps_per_block} | forwards {st.num_forwards} | "
         f"decode {decode_s:.2f} s, {len(req.output_ids) / decode_s:.1f} tokens/s",
         file=sys.stderr,
@@ -250,12 +278,26 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
     args = _build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "init-random": cmd_init_random}
     try:
         return handlers[args.command](args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
+        if getattr(args, "debug", False):
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint
+        if getattr(args, "debug", False):
+            raise
+        print(
+            f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr
+        )
         return 2
 
 

@@ -5,6 +5,7 @@ Frozen dataclasses; the attribute docstrings double as CLI help.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -36,6 +37,9 @@ class SamplingParams:
     """Keep decoding past EOS until max_new_tokens (throughput runs)."""
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "threshold"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:

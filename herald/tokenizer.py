@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,12 @@ def load_tokenizer(path: str | Path | None, config: ModelConfig) -> Tokenizer:
     """
     tok_file = Path(path) / "tokenizer.json" if path is not None else None
     if tok_file is None or not tok_file.is_file():
+        if path is not None:
+            warnings.warn(
+                f"{path} has no tokenizer.json: using the byte-level fallback tokenizer, which "
+                "is only right for herald's own random checkpoints",
+                stacklevel=2,
+            )
         return byte_level_tokenizer(config)
     backend = tokenizers.Tokenizer.from_file(str(tok_file))
     mask_strings: list[str] = []

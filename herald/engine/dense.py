@@ -72,6 +72,10 @@ class DenseEngine:
     ) -> None:
         self.model = model
         self.config = config
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError(
+                f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
+            )
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         b = config.block_size

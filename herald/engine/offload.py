@@ -119,6 +119,10 @@ class OffloadEngine:
         record_selection: bool = False,
     ) -> None:
         offload.validate()
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError(
+                f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
+            )
         self.model, self.config, self.offload = model, config, offload
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

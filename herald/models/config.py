@@ -108,6 +108,17 @@ class ModelConfig:
             return hf[key]
 
         defaults = ARCH_DEFAULTS[arch]
+        try:
+            return ModelConfig._from_hf(hf, arch, defaults, req, overrides)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"config.json for {arch} has a bad value: {e}") from None
+
+    @staticmethod
+    def _from_hf(
+        hf: dict[str, Any], arch: str, defaults: dict[str, Any], req: Any, overrides: dict[str, Any]
+    ) -> ModelConfig:
         num_heads = int(req("num_attention_heads"))
         hidden = int(req("hidden_size"))
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
@@ -150,6 +161,18 @@ class ModelConfig:
                 routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             )
         kw.update(overrides)
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "block_size",
+        ):
+            if not isinstance(kw[key], int) or kw[key] <= 0:
+                raise ConfigError(f"{key} must be a positive integer, got {kw[key]!r}")
         cfg = ModelConfig(**kw)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ConfigError(
@@ -171,4 +194,13 @@ class ModelConfig:
             p = p / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"no config.json at {p}")
-        return ModelConfig.from_hf(json.loads(p.read_text()), **overrides)
+        try:
+            hf = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{p} must hold a JSON object, got {type(hf).__name__}")
+        try:
+            return ModelConfig.from_hf(hf, **overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None

@@ -62,6 +62,10 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, tuple[Path, tuple[int,
     """
     root = Path(ckpt_dir)
     index = root / INDEX_FILE
+    if index.is_file() and (root / SINGLE_FILE).is_file():
+        raise CheckpointError(
+            f"{root} holds both {SINGLE_FILE} and {INDEX_FILE}: ambiguous, remove one"
+        )
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         files = sorted({root / f for f in weight_map.values()})
@@ -273,8 +277,18 @@ def write_random_checkpoint(
     """
     config = get_preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    stale = sorted(p.name for p in out.glob("*.safetensors*")) if out.is_dir() else []
+    if stale:
+        # Writing next to old weights would leave an index or shards that the loader prefers.
+        raise FileExistsError(
+            f"{out} already holds a checkpoint ({', '.join(stale[:3])}); use an empty directory"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    hf = hf_config_dict(config, dtype)
+    hf["herald_random_weights"] = True  # so tools can say the weights are noise
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     byte_level_tokenizer(config).save(out)
     specs = weight_specs(config)
     std = init_std(config)
