@@ -95,7 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mode",
         default="dense",
-        choices=["dense", "herald", "mage"],
+        choices=["dense", "herald", "mage", "infinigen"],
         help="dense (full KV on the device) or an offloading mode (full KV in CPU "
         "memory): herald = CPU selection + representative query + draft lookahead; "
         "mage = block queries at each block's first step",

@@ -83,7 +83,9 @@ class OffloadConfig:
     "gpu" (the full KV of the layer crosses PCIe every block)."""
     selection_queries: str = "representative"
     """"representative": one [MASK] query at the centre of the next block (paper §IV-A2);
-    "block": the block's B queries at its first denoising step (MAGE)."""
+    "block": the block's B queries at its first denoising step, exact (MAGE);
+    "proxy": the block's B queries on a few proxy channels of a GPU partial-key cache at its
+    first step (InfiniGen, once per block)."""
     lookahead: str = "draft"
     """"draft": select block n+1 from block n's step-0 draft while block n denoises (paper
     §IV-A1); "off": select after block n commits (the main stream waits)."""
@@ -98,11 +100,13 @@ class OffloadConfig:
     """CPU pool size in GiB (default: what the engine's max batch and length need)."""
     selection_threads: int | None = None
     """CPU kernel threads (default: all cores)."""
+    proxy_ratio: float = 0.25
+    """InfiniGen proxy: fraction of head_dim channels kept in the partial-key cache."""
 
     def validate(self) -> None:
         checks = {
             "selection_device": (self.selection_device, ("cpu", "gpu")),
-            "selection_queries": (self.selection_queries, ("representative", "block")),
+            "selection_queries": (self.selection_queries, ("representative", "block", "proxy")),
             "lookahead": (self.lookahead, ("draft", "off")),
             "output_mode": (self.output_mode, ("full", "selected")),
         }
@@ -111,18 +115,21 @@ class OffloadConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if not 0.0 < self.kv_budget <= 1.0:
             raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
-        if self.selection_queries == "block" and self.lookahead != "off":
+        if self.selection_queries != "representative" and self.lookahead != "off":
             raise ValueError(
-                "block-query (MAGE) selection needs the block's own queries: "
-                "it cannot run ahead on a draft (use lookahead='off')"
+                f"{self.selection_queries!r} selection needs the block's own queries: it cannot "
+                "run ahead on a draft (use lookahead='off')"
             )
+        if not 0.0 < self.proxy_ratio <= 1.0:
+            raise ValueError(f"proxy_ratio must be in (0, 1], got {self.proxy_ratio}")
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
 
     @staticmethod
     def for_mode(mode: str, **overrides: object) -> OffloadConfig:
-        """``herald`` (CPU, representative query, draft lookahead, 5%) or ``mage`` (block
-        queries at step 0, no lookahead, 2.5%, GPU selection); overrides win."""
+        """``herald`` (CPU, representative query, draft lookahead, 5%), ``mage`` (block
+        queries at step 0, no lookahead, 2.5%, GPU selection) or ``infinigen`` (proxy channels at
+        step 0, 20%); overrides win."""
         presets: dict[str, dict[str, object]] = {
             "herald": dict(
                 selection_device="cpu",
@@ -132,6 +139,9 @@ class OffloadConfig:
             ),
             "mage": dict(
                 selection_device="gpu", selection_queries="block", lookahead="off", kv_budget=0.025
+            ),
+            "infinigen": dict(
+                selection_device="gpu", selection_queries="proxy", lookahead="off", kv_budget=0.2
             ),
         }
         if mode not in presets:

@@ -37,6 +37,7 @@ from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.dense_cache import SlotAttention, _sdpa_folded
 from herald.kv.gpu_selection import select_topk_rows
+from herald.kv.proxy import proxy_channels, proxy_topk
 from herald.kv.selection import gather_selected, select_topk
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.models.base import BlockDiffusionLM
@@ -90,6 +91,20 @@ class _MageAttention:
         if e.offload.selection_device == "gpu":
             return e._mage_layer_gpu(layer_id, q, k, v)
         return e._mage_layer_cpu(layer_id, q, k, v)
+
+
+class _ProxyAttention:
+    """Step 0 of an InfiniGen block: proxy top-k from the partial-key cache, fetch the rows from
+    the CPU pool into the active pool, then sparse attention over it like every other step."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.e = engine
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        e = self.e
+        if layer_id >= e.num_dense:
+            e._proxy_fetch(layer_id, q)
+        return e.attn.forward(layer_id, q, k, v)
 
 
 class OffloadEngine:
@@ -173,6 +188,20 @@ class OffloadEngine:
             num_threads=offload.selection_threads,
             delay=retrieval_delay,
         )
+        self.proxy_chans: dict[int, torch.Tensor] = {}
+        self.partial_k: dict[int, torch.Tensor] = {}
+        if offload.selection_queries == "proxy":
+            for layer_id in pooled:
+                chans = proxy_channels(model.layers[layer_id], offload.proxy_ratio)  # type: ignore[arg-type]
+                self.proxy_chans[layer_id] = chans.to(self.device)
+                self.partial_k[layer_id] = torch.zeros(
+                    max_batch_size,
+                    hkv,
+                    self.max_seq_len,
+                    chans.shape[1],
+                    device=self.device,
+                    dtype=self.dtype,
+                )
         self.record_selection = record_selection
         self.selections: list[RetrievalJob] = []
         self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)
@@ -277,6 +306,10 @@ class OffloadEngine:
                 for src, dst in ((tk, self.cpu_pool.k_pages(pl)), (tv, self.cpu_pool.v_pages(pl))):
                     rows = src[layer][0, :, :s].to("cpu", dst.dtype)
                     dst.index_copy_(0, idx, rows.view(-1, nblk, b, cfg.head_dim).transpose(0, 1))
+        for layer, chans in self.proxy_chans.items():
+            keys = tk[layer][0, :, :s]  # [Hkv, s, D]
+            idx = chans[:, None, :].expand(-1, s, -1)
+            self.partial_k[layer][slot, :, :s] = keys.gather(2, idx)
         last = b if s >= b else 0
         k = self.budget_for(s)
         if s == 0:
@@ -330,10 +363,14 @@ class OffloadEngine:
         b, s = self.block_size, self._block_step
         input_ids, positions = self.batch.inputs()
         mage = self.offload.selection_queries == "block"
+        # "proxy" (InfiniGen) selects at step 0 like MAGE, from the partial-key cache.
         lookahead = self.offload.lookahead == "draft"
         if s == 0 and mage:
             self._prepare()
             hidden = self.model(input_ids, positions, _MageAttention(self))
+        elif s == 0 and self.offload.selection_queries == "proxy":
+            self._prepare()
+            hidden = self.model(input_ids, positions, _ProxyAttention(self))
         elif s == 1 and lookahead:
             self._prepare(2 * b, draft_group=True)
             ids = torch.cat([input_ids, self._draft], dim=1)
@@ -417,6 +454,13 @@ class OffloadEngine:
                 self.cpu_pool.write_block(
                     pl, reqs[i].request_id, starts[i] // b, kc[i, :, p : p + b], vc[i, :, p : p + b]
                 )
+        for layer, chans in self.proxy_chans.items():
+            kc = self.pool.k(active, layer)
+            for i in live:
+                p = self.k_sel[i] + self.last_len[i]
+                blk = kc[i, :, p : p + b]  # [Hkv, B, D]
+                part = blk.gather(2, chans[:, None, :].expand(-1, b, -1))
+                self.partial_k[layer][i, :, starts[i] : starts[i] + b] = part
         main_t = time.perf_counter() - self._block_t0
         stall, retrieval = 0.0, 0.0
         k_next = [self.budget_for(st + b) for st in starts]
@@ -463,6 +507,8 @@ class OffloadEngine:
             assert t is not None
             t[dst].copy_(t[src])
         self.pool.move_slot(src, dst)
+        for t in self.partial_k.values():
+            t[dst].copy_(t[src])
 
     # -- MAGE step 0 ----------------------------------------------------------------------------
     def _full_rows(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,6 +525,34 @@ class OffloadEngine:
             )
             out.append(rows.to(self.device, self.dtype, non_blocking=True))
         return out[0], out[1]
+
+    def _proxy_fetch(self, layer: int, q: torch.Tensor) -> None:
+        """InfiniGen step 0 for one layer: proxy top-k per row, rows fetched into the pool."""
+        b, buf, pl = self.block_size, self.pool.active, layer - self.num_dense
+        reqs, starts = self.batch.requests, self.batch.starts()
+        chans = self.proxy_chans[layer]
+        picks, tables = [], []
+        for i, req in enumerate(reqs):
+            ranked = starts[i] - self.last_len[i]
+            part = self.partial_k[layer][i, :, :ranked]
+            picks.append(proxy_topk(q[i], part, chans, self.k_sel[i]).to("cpu", torch.int32))
+            tables.append(self.cpu_pool.pages(req.request_id)[: max(1, -(-ranked // b))])
+        kmax = max(1, max(x.shape[1] for x in picks))
+        idx = torch.full((len(reqs), picks[0].shape[0], kmax), -1, dtype=torch.int32)
+        for i, x in enumerate(picks):
+            idx[i, :, : x.shape[1]] = x
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        if self.cuda:
+            # NOTE: copy-before-read: the commit's device-to-host copies into the CPU pool are
+            # asynchronous; the host gathers from the pages only after they completed.
+            torch.cuda.current_stream(self.device).synchronize()
+        num = torch.tensor([x.shape[1] for x in picks], dtype=torch.int32)
+        out = gather_selected(self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, idx, num)
+        gk, gv = out[0].to(self.device, self.dtype), out[1].to(self.device, self.dtype)
+        for i, kk in enumerate(self.k_sel):
+            self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
+            self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
 
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""

@@ -24,6 +24,7 @@ MODES = {
     "mage-cpu": OffloadConfig.for_mode(
         "mage", kv_budget=1.0, selection_device="cpu", selection_threads=2
     ),
+    "infinigen": OffloadConfig.for_mode("infinigen", kv_budget=1.0),
 }
 
 
@@ -149,9 +150,44 @@ def test_budget_one_equals_dense_on_gpu(preset):
     params = SamplingParams(max_new_tokens=72, ignore_eos=True)
     dense = DenseEngine(model, config, max_batch_size=4, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
-    for mode in ("herald", "mage-gpu", "mage-cpu"):
+    for mode in ("herald", "mage-gpu", "mage-cpu", "infinigen"):
         eng = OffloadEngine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
         got = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()
         assert got == ref, mode
         assert eng.cpu_pool.num_used_pages == 0
+
+
+def test_proxy_channels_and_topk():
+    from herald.kv.proxy import proxy_channels, proxy_topk
+
+    model, config = _model("tiny-llada2")  # partial RoPE: rotated pairs + pass-through dims
+    chans = proxy_channels(model.layers[2], 0.25)
+    assert chans.shape == (config.num_kv_heads, 8)
+    assert all(torch.equal(c, c.sort().values) for c in chans)
+    assert int(chans.max()) < config.head_dim and int(chans.min()) >= 0
+    # With all channels, the proxy ranks exactly like exact attention importance.
+    full = torch.arange(config.head_dim).expand(config.num_kv_heads, -1)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(32, config.num_heads, config.head_dim, generator=g)
+    keys = torch.randn(config.num_kv_heads, 200, config.head_dim, generator=g)
+    from herald.kv.gpu_selection import select_topk_rows
+
+    assert torch.equal(proxy_topk(q, keys, full, 20), select_topk_rows(q, keys, 200, 0, 20))
+
+
+def test_infinigen_selects_from_proxy_and_reuses():
+    """At a small budget InfiniGen still decodes (selection from the partial-key cache)."""
+    model, config = _model("tiny-sdar")
+    prompts = _prompts(config, [100, 64], seed=5)
+    eng = OffloadEngine(
+        model,
+        config,
+        OffloadConfig.for_mode("infinigen", kv_budget=0.2),
+        max_batch_size=2,
+        max_seq_len=256,
+    )
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    eng.close()
+    assert all(len(r.output_ids) == 64 for r in out)
+    assert eng.cpu_pool.num_used_pages == 0
