@@ -110,7 +110,7 @@ class RetrievalWorker:
         # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements.
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
         numel = 2 * pool.num_slots * hkv * pool.capacity * d
-        self._staging = [torch.empty(numel, dtype=cpu_pool.dtype) for _ in pool.layers]
+        self._staging = [torch.zeros(numel, dtype=cpu_pool.dtype) for _ in pool.layers]
         self._pinned: list[list[int]] = []
         if self.cuda:
             self._pinned = [register_pinned(t) for t in self._staging]
@@ -239,11 +239,18 @@ class RetrievalWorker:
             out=out,
             num_threads=self.num_threads,
         )
-        # Rows past a request's k in [0, kmax) receive garbage here; the engine writes the last
-        # completed block over them after the boundary wait, and attention never reads past
-        # k + B for that request.
-        self.pool.k(job.buffer, layer_id)[:n, :, :kmax].copy_(out[0], non_blocking=True)
-        self.pool.v(job.buffer, layer_id)[:n, :, :kmax].copy_(out[1], non_blocking=True)
+        # NOTE: exactly k_r rows per request. Rows past num_selected in the staging buffer are
+        # stale or uninitialised; copying them would put garbage (possibly NaN bit patterns)
+        # into pool rows that attention masks but still multiplies by zero (0 * NaN = NaN).
+        sel = res.num_selected.tolist()
+        kd, vd = self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id)
+        if all(x == sel[0] for x in sel):
+            kd[:n, :, : sel[0]].copy_(out[0, :, :, : sel[0]], non_blocking=True)
+            vd[:n, :, : sel[0]].copy_(out[1, :, :, : sel[0]], non_blocking=True)
+        else:
+            for i, kk in enumerate(sel):
+                kd[i, :, :kk].copy_(out[0, i, :, :kk], non_blocking=True)
+                vd[i, :, :kk].copy_(out[1, i, :, :kk], non_blocking=True)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()

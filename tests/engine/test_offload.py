@@ -191,3 +191,18 @@ def test_infinigen_selects_from_proxy_and_reuses():
     eng.close()
     assert all(len(r.output_ids) == 64 for r in out)
     assert eng.cpu_pool.num_used_pages == 0
+
+
+def test_poisoned_staging_never_reaches_the_pool(setup):
+    """Rows of the pinned staging past a request's k must never be copied into the sparse pool:
+    masked pool rows still meet a zero probability and 0 * NaN = NaN. Regression test for a
+    flaky non-finite score with mixed prompt lengths (uninitialised staging memory)."""
+    model, config, prompts, params, ref = setup
+    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
+    for t in eng.worker._staging:
+        t.fill_(float("nan"))
+    try:
+        got = [r.output_ids for r in eng.generate(prompts, params)]
+    finally:
+        eng.close()
+    assert got == ref
