@@ -70,13 +70,16 @@ forward, eager, with per-request Python loops for the KV hand-offs): this run sh
 works at size, it is not yet a throughput measurement (issue 5 owns that, and the main stream
 needs CUDA graphs and batched KV hand-offs first).
 
-Open problem (GPU only): `pytest -m gpu tests/engine/test_offload.py` (tiny models, four
-requests of different lengths, budget 1.0) fails: the retrieval stream's CPU kernel reports a
-non-finite score (NaN in the representative query or in K) for one request. The same test passes
-on the CPU (CI), where the retrieval thread also runs concurrently, and the full-size run above
-(uniform lengths) produced no NaN. `gpu_tests.log` holds the failure; the cause is not found yet.
-A missing fence on the MAGE-GPU path (host reads of CPU pages right after the asynchronous commit
-copies) was found by inspection and fixed after this run."""
+Found after this run: `pytest -m gpu tests/engine/test_offload.py` (tiny models, requests of
+different lengths, budget 1.0) failed with a non-finite score in the retrieval stream
+(`gpu_tests.log`). The same failure then showed up on the CPU about once in 15 runs: the
+retrieval stream copied `k_max` rows for every request from the pinned staging into the sparse
+pool, so a request with fewer selected rows received stale or uninitialised staging rows in pool
+rows that attention masks but still multiplies by zero (0 x NaN = NaN). Fixed (exactly k rows per
+request; `test_poisoned_staging_never_reaches_the_pool` fails without the fix); the GPU test has
+not been rerun since. The uniform full-size run above was not affected (all requests had the same
+k). Fences added after this run, also not yet rerun on the GPU: host reads of CPU pages on the
+MAGE-GPU and InfiniGen paths wait for the commit's asynchronous copies."""
 
 
 def main(argv: list[str] | None = None) -> int:
