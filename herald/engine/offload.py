@@ -412,10 +412,7 @@ class OffloadEngine:
             pages = self.cpu_pool.pages(req.request_id)
             tail = pages[-1] if draft else pages[st // b]
             tables.append(pages[: st // b] + [tail])
-        width = max(len(t) for t in tables)
-        page_table = torch.tensor(
-            [t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32
-        )
+        page_table = _page_table(tables)
         ready = None
         if self.cuda:
             # NOTE: the event covers every KV copy issued on the main stream so far (the draft
@@ -541,15 +538,22 @@ class OffloadEngine:
         idx = torch.full((len(reqs), picks[0].shape[0], kmax), -1, dtype=torch.int32)
         for i, x in enumerate(picks):
             idx[i, :, : x.shape[1]] = x
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        table = _page_table(tables)
         if self.cuda:
             # NOTE: copy-before-read: the commit's device-to-host copies into the CPU pool are
             # asynchronous; the host gathers from the pages only after they completed.
             torch.cuda.current_stream(self.device).synchronize()
         num = torch.tensor([x.shape[1] for x in picks], dtype=torch.int32)
         out = gather_selected(self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, idx, num)
-        gk, gv = out[0].to(self.device, self.dtype), out[1].to(self.device, self.dtype)
+        self._write_selected(buf, layer, out)
+
+    def _write_selected(self, buf: int, layer: int, gathered: torch.Tensor) -> None:
+        """Gathered rows ``[2, n, Hkv, k_max, D]`` (CPU) -> pool rows ``[0, k_r)`` per request.
+
+        NOTE: exactly k_r rows each: rows past a request's k in ``gathered`` are uninitialised,
+        and the pool rows after k_r hold the last completed block."""
+        gk = gathered[0].to(self.device, self.dtype)
+        gv = gathered[1].to(self.device, self.dtype)
         for i, kk in enumerate(self.k_sel):
             self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
             self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
@@ -588,8 +592,7 @@ class OffloadEngine:
             tables.append(pages[: starts[i] // b] + [pages[-1]])
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # NOTE: copies before reads
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+        table = _page_table(tables)
         seq = torch.tensor([st + b for st in starts], dtype=torch.int32)
         tails = torch.tensor([last + b for last in self.last_len], dtype=torch.int32)
         budgets = torch.tensor([max(kk, 1) for kk in self.k_sel], dtype=torch.int32)
@@ -606,11 +609,7 @@ class OffloadEngine:
             num_threads=self.offload.selection_threads,
         )
         out = gather_selected(kp, vp, table, res.indices, res.num_selected)
-        gk, gv = out[0].to(self.device, self.dtype), out[1].to(self.device, self.dtype)
-        for i, kk in enumerate(self.k_sel):
-            # Exactly k rows per request: the last completed block's rows follow them.
-            self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
-            self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
+        self._write_selected(buf, layer, out)
         return res.attn_output.to(self.device, self.dtype)
 
     def generate(
@@ -625,6 +624,13 @@ class OffloadEngine:
             self.step()
         self._sync()
         return reqs
+
+
+def _page_table(tables: list[list[int]]) -> torch.Tensor:
+    """Rows of page ids -> [n, max_len] int32, short rows padded with their last page (the
+    kernel reads only the first ceil(S / B) entries of a row)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 class _QueryRecorder:
