@@ -46,7 +46,7 @@ class DecodeBatch:
         return len(self.requests)
 
     # -- membership -----------------------------------------------------------------------------
-    def _fresh_block(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    def fresh_block(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """Block at req.block_start: prompt tokens where the prompt reaches, masks elsewhere."""
         b = self.block_size
         toks = torch.full((b,), self.mask_token_id, dtype=torch.long)
@@ -59,7 +59,7 @@ class DecodeBatch:
 
     def add(self, req: Request) -> int:
         """Append ``req`` as the last row; returns its row (= KV slot)."""
-        toks, masked = self._fresh_block(req)
+        toks, masked = self.fresh_block(req)
         self.tokens = torch.cat([self.tokens, toks[None]])
         self.masked = torch.cat([self.masked, masked[None]])
         self.requests.append(req)
@@ -151,7 +151,7 @@ class DecodeBatch:
             req = self.requests[i]
             req.block_start += self.block_size
             req.steps_in_block = 0
-            toks, m = self._fresh_block(req)
+            toks, m = self.fresh_block(req)
             self.tokens[i] = toks
             self.masked[i] = m
 

@@ -317,7 +317,7 @@ class OffloadEngine:
         # The first block's B queries, exact over the full prompt KV (DESIGN §2 "Prefill").
         recorder = _QueryRecorder(temp)
         start = req.layout.first_block_start
-        toks, _ = self.batch._fresh_block(req)
+        toks, _ = self.batch.fresh_block(req)
         temp.prepare([start], b)
         pos = torch.arange(start, start + b, device=self.device)[None]
         self.model(toks[None], pos, recorder)
