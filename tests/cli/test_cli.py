@@ -1,0 +1,84 @@
+"""`herald generate` / `herald init-random`: user errors are one line and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from herald.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt", ""], "the prompt is empty"),
+        (["generate", "--prompt", "x", "--device", "tpu"], "unknown --device"),
+        (["generate", "--prompt", "x", "--block-size", "0"], "--block-size"),
+        (["generate", "--prompt", "x", "--temperature", "nan"], "finite"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--prompt", "x", "--threshold", "0"], "threshold"),
+        (["generate", "--prompt", "x", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
+        (["generate", "--prompt-file", "/definitely/not/here.py"], "No such file"),
+        (["generate", "--prompt", "x", "--model", "no-such-model"], "neither"),
+        (["generate", "--prompt", "x", "--mode", "herald", "--dtype", "fp32"], "bf16"),
+        (["init-random", "--preset", "nosuch", "--out", "/tmp/x"], "nosuch"),
+    ],
+)
+def test_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_prompt_file_is_a_directory(tmp_path, capsys):
+    assert main(["generate", "--prompt-file", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_context_overflow_is_refused_up_front(tmp_path, capsys):
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 140_000)  # byte-level: 140K tokens > the tiny preset's 131072
+    assert main(["generate", "--prompt-file", str(big), "--quiet"]) == 2
+    assert "--max-prompt-tokens" in capsys.readouterr().err
+
+
+def test_init_random_refuses_existing_weights_and_generate_runs(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert main(["init-random", "--preset", "tiny-llada2", "--out", str(out)]) == 0
+    assert main(["init-random", "--preset", "tiny-llada2", "--out", str(out)]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(out),
+                "--prompt",
+                "def f(x):",
+                "--max-new-tokens",
+                "8",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "RANDOM weights" in captured.err and "generated tokens 8" in captured.err
+
+
+def test_offload_mode_prints_block_timing(capsys):
+    argv = [
+        "generate",
+        "--mode",
+        "herald",
+        "--kv-budget",
+        "0.5",
+        "--prompt",
+        "a" * 80,
+        "--max-new-tokens",
+        "40",
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "CPU KV pool" in err and "retrieval stream" in err and "boundary stall" in err
