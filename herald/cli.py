@@ -107,6 +107,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fraction of the prefix kept per KV head (herald 0.05, mage 0.025)",
     )
     g.add_argument("--cpu-kv-gb", type=float, default=None, help="CPU KV pool size in GiB")
+    g.add_argument(
+        "--cpu-kv-tokens",
+        type=int,
+        default=None,
+        help="CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+    )
     g.add_argument("--selection-device", choices=["cpu", "gpu"], default=None)
     g.add_argument("--lookahead", choices=["draft", "off"], default=None)
     g.add_argument(
@@ -222,6 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chosen = dict(
             kv_budget=args.kv_budget,
             cpu_kv_gb=args.cpu_kv_gb,
+            cpu_kv_tokens=args.cpu_kv_tokens,
             selection_device=args.selection_device,
             lookahead=args.lookahead,
             output_mode=args.kernel_output,

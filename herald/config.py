@@ -98,6 +98,8 @@ class OffloadConfig:
     """The first layers keep their full KV on the GPU and attend exactly (DESIGN §2)."""
     cpu_kv_gb: float | None = None
     """CPU pool size in GiB (default: what the engine's max batch and length need)."""
+    cpu_kv_tokens: int | None = None
+    """CPU pool size in tokens (one of ``cpu_kv_gb`` / ``cpu_kv_tokens``; pages of B tokens)."""
     selection_threads: int | None = None
     """CPU kernel threads (default: all cores)."""
     proxy_ratio: float = 0.25
@@ -122,6 +124,8 @@ class OffloadConfig:
             )
         if not 0.0 < self.proxy_ratio <= 1.0:
             raise ValueError(f"proxy_ratio must be in (0, 1], got {self.proxy_ratio}")
+        if self.cpu_kv_gb is not None and self.cpu_kv_tokens is not None:
+            raise ValueError("give the CPU pool size in GiB or in tokens, not both")
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
 

@@ -114,7 +114,8 @@ class OffloadEngine:
         model, config: as for :class:`~herald.engine.dense.DenseEngine`.
         offload: the switches (:class:`~herald.config.OffloadConfig`).
         max_batch_size, max_seq_len: running requests and tokens per request at most.
-        cpu_pool: an existing pool (tests); default: one sized by ``offload.cpu_kv_gb`` or by
+        cpu_pool: an existing pool (tests); default: one sized by ``offload.cpu_kv_gb`` /
+            ``offload.cpu_kv_tokens`` or by
             ``max_batch_size x max_seq_len``.
         retrieval_delay: a callable returning seconds to sleep at each retrieval layer (the
             stress test injects random delays to expose missing fences).
@@ -169,6 +170,8 @@ class OffloadEngine:
             n_pages = max_batch_size * (self.max_seq_len // b + 1)
             if offload.cpu_kv_gb is not None:
                 cpu_pool = CpuKVPool.from_gib(offload.cpu_kv_gb, len(pooled), hkv, d, b)
+            elif offload.cpu_kv_tokens is not None:
+                cpu_pool = CpuKVPool.from_tokens(offload.cpu_kv_tokens, len(pooled), hkv, d, b)
             else:
                 cpu_pool = CpuKVPool(len(pooled), hkv, d, b, n_pages)
         self.cpu_pool = cpu_pool
@@ -237,7 +240,7 @@ class OffloadEngine:
         if need > total:
             raise ValueError(
                 f"request needs {need} CPU KV pages ({need * self.block_size} tokens) but the "
-                f"CPU pool holds {total} in all; enlarge it (--cpu-kv-gb)"
+                f"CPU pool holds {total} in all; enlarge it (--cpu-kv-gb or --cpu-kv-tokens)"
             )
         self.waiting.append(req)
         return req

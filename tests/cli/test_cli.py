@@ -21,6 +21,24 @@ from herald.cli import main
         (["generate", "--prompt", "x", "--model", "no-such-model"], "neither"),
         (["generate", "--prompt", "x", "--mode", "herald", "--dtype", "fp32"], "bf16"),
         (["init-random", "--preset", "nosuch", "--out", "/tmp/x"], "nosuch"),
+        (
+            ["generate", "--mode", "herald", "--cpu-kv-tokens", "64", "--prompt", "a" * 300],
+            "CPU pool holds",
+        ),
+        (
+            [
+                "generate",
+                "--mode",
+                "herald",
+                "--cpu-kv-tokens",
+                "64",
+                "--cpu-kv-gb",
+                "1",
+                "--prompt",
+                "a",
+            ],
+            "not both",
+        ),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
