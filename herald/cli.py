@@ -238,10 +238,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         engine = OffloadEngine(model, config, offload, max_batch_size=1, max_seq_len=max_len)
         print(engine.cpu_pool.describe(), file=sys.stderr)
+    req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
     bar = tqdm(
         total=args.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr, desc="decoding"
     )
-    req = engine.add_request(ids, params)
     while engine.has_unfinished():
         engine.step()
         bar.update(max(0, len(req.output_ids) - bar.n))
