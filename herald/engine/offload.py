@@ -613,6 +613,13 @@ class OffloadEngine:
         )
         out = gather_selected(kp, vp, table, res.indices, res.num_selected)
         self._write_selected(buf, layer, out)
+        if self.offload.output_mode == "selected":
+            # Attention over the selected rows (+ last and current block) is what "selected"
+            # means; computed on the model device from the pool just filled, in the model's own
+            # arithmetic (at budget 1.0 it is exactly the dense step).
+            return self.attn.forward(layer, q, k, v)
+        # "full": the kernel's exact attention (float32 from bf16), which rounds differently
+        # from the device's SDPA, so budget 1.0 matches dense only up to near-ties.
         return res.attn_output.to(self.device, self.dtype)
 
     def generate(

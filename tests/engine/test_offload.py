@@ -21,8 +21,10 @@ MODES = {
     ),
     "rep-no-lookahead": OffloadConfig(lookahead="off", kv_budget=1.0, selection_threads=2),
     "mage-gpu": OffloadConfig.for_mode("mage", kv_budget=1.0),
+    # "selected": step 0's output is attention over the selected rows in the model's arithmetic
+    # (exact at budget 1.0); "full" uses the kernel's float32 output, equal only up to rounding.
     "mage-cpu": OffloadConfig.for_mode(
-        "mage", kv_budget=1.0, selection_device="cpu", selection_threads=2
+        "mage", kv_budget=1.0, selection_device="cpu", output_mode="selected", selection_threads=2
     ),
     "infinigen": OffloadConfig.for_mode("infinigen", kv_budget=1.0),
 }
