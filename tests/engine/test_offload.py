@@ -208,3 +208,24 @@ def test_poisoned_staging_never_reaches_the_pool(setup):
     finally:
         eng.close()
     assert got == ref
+
+
+def test_eos_and_continuous_admission_equal_dense():
+    """Requests stop at EOS mid-batch, leave at the block boundary and free slots that waiting
+    requests take (2 slots, 5 requests): output still equals dense at budget 1.0."""
+    model, config = _model("tiny-llada2")
+    prompts = _prompts(config, [70, 20, 130, 40, 90], seed=7)
+    free = DenseEngine(model, config, max_batch_size=5, max_seq_len=320).generate(
+        prompts, SamplingParams(max_new_tokens=96, ignore_eos=True)
+    )
+    cfg = config.replace(eos_token_ids=(free[0].output_ids[40],))
+    params = [SamplingParams(max_new_tokens=n) for n in (96, 64, 96, 33, 80)]
+    dense = DenseEngine(model, cfg, max_batch_size=2, max_seq_len=320)
+    ref = [r.output_ids for r in dense.generate(prompts, params)]
+    assert any(len(r) < p.max_new_tokens for r, p in zip(ref, params, strict=True))  # EOS hit
+    for mode in ("herald", "mage-cpu", "infinigen"):
+        eng = OffloadEngine(model, cfg, MODES[mode], max_batch_size=2, max_seq_len=320)
+        got = [r.output_ids for r in eng.generate(prompts, params)]
+        eng.close()
+        assert got == ref, mode
+        assert eng.cpu_pool.num_used_pages == 0
