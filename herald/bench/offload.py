@@ -42,7 +42,7 @@ def write_report(json_path: Path) -> Path:
         f"- {r['cpu_pool']}",
         f"- prefill {r['prefill_seconds']:.1f} s; decode {r['decode_seconds']:.1f} s = "
         f"{r['decode_tokens_per_s']:.0f} tokens/s; peak GPU memory "
-        f"{r['peak_gpu_memory_gib']:.1f} GiB",
+        f"{r['peak_gpu_memory_gib'] or 0:.1f} GiB",
         f"- GPU memory per request: herald {r['gpu_bytes_per_request_herald'] / 2**20:.0f} MiB "
         f"(dense layers' KV + both sparse pools) vs dense "
         f"{r['gpu_bytes_per_request_dense_kv'] / 2**20:.0f} MiB of KV: "
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
     ap.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (smoke run)")
+    ap.add_argument("--cuda-graph", action="store_true", help="piecewise CUDA graphs (main stream)")
     ap.add_argument("--report", type=Path, default=None, help="only rewrite README.md from JSON")
     args = ap.parse_args(argv)
     if args.report is not None:
@@ -114,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     base = mem()
     cfg = OffloadConfig.for_mode("herald", kv_budget=args.budget, output_mode=args.output_mode)
     t0 = time.perf_counter()
-    eng = OffloadEngine(model, config, cfg, max_batch_size=args.batch, max_seq_len=seq)
+    eng = OffloadEngine(
+        model,
+        config,
+        cfg,
+        max_batch_size=args.batch,
+        max_seq_len=seq,
+        use_cuda_graph=args.cuda_graph,
+    )
     setup_s = time.perf_counter() - t0
     print(f"engine set up in {setup_s:.1f} s: {eng.cpu_pool.describe()}", flush=True)
     engine_gpu = (
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "kv_budget": args.budget,
         "output_mode": args.output_mode,
+        "cuda_graph": args.cuda_graph,
         "num_denoise_steps": args.steps,
         "block_size": b,
         "generated_tokens": gen,

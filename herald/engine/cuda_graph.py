@@ -54,12 +54,14 @@ class PiecewiseGraphForward:
         self._hidden = [hidden]
         for layer in layers:
             ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(ga, pool=self.pool):
+            # NOTE: thread-local capture: the retrieval worker thread may issue CUDA work on its
+            # own stream meanwhile, which a global capture would reject.
+            with torch.cuda.graph(ga, pool=self.pool, capture_error_mode="thread_local"):
                 q, k, v = layer.qkv(hidden, self._positions)
             ga.replay()
             # Attention runs eagerly at replay time; here only to size its static output.
             attn_out = attn.forward(layer.layer_id, q, k, v).clone()
-            with torch.cuda.graph(gb, pool=self.pool):
+            with torch.cuda.graph(gb, pool=self.pool, capture_error_mode="thread_local"):
                 hidden = layer.finish(self._hidden[-1], attn_out)
             gb.replay()
             self._graphs.append((ga, gb))

@@ -32,6 +32,7 @@ import torch
 
 from herald.config import OffloadConfig, SamplingParams
 from herald.diffusion.batch import DecodeBatch
+from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.request import Request, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
@@ -115,10 +116,13 @@ class OffloadEngine:
         offload: the switches (:class:`~herald.config.OffloadConfig`).
         max_batch_size, max_seq_len: running requests and tokens per request at most.
         cpu_pool: an existing pool (tests); default: one sized by ``offload.cpu_kv_gb`` /
-            ``offload.cpu_kv_tokens`` or by
-            ``max_batch_size x max_seq_len``.
+            ``offload.cpu_kv_tokens`` or by ``max_batch_size x max_seq_len``.
         retrieval_delay: a callable returning seconds to sleep at each retrieval layer (the
             stress test injects random delays to expose missing fences).
+        record_selection: keep each retrieval job's queries and indices (tests).
+        use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
+            (:mod:`herald.engine.cuda_graph`) in the plain and fused steps and the commit. Off by
+            default until verified on the GPU with the retrieval thread running.
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class OffloadEngine:
         cpu_pool: CpuKVPool | None = None,
         retrieval_delay: Callable[[], float] | None = None,
         record_selection: bool = False,
+        use_cuda_graph: bool = False,
     ) -> None:
         offload.validate()
         if max_batch_size < 1 or max_seq_len < 1:
@@ -218,6 +223,9 @@ class OffloadEngine:
         self._block_t0 = 0.0
         self.stats = OffloadStats()
         self.cuda = self.device.type == "cuda"
+        self.use_cuda_graph = use_cuda_graph and self.cuda
+        self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
+        self._eager_keys: set[tuple[int, int]] = set()
 
     # -- sizes ----------------------------------------------------------------------------------
     def budget_for(self, prefix: int) -> int:
@@ -377,11 +385,11 @@ class OffloadEngine:
         elif s == 1 and lookahead:
             self._prepare(2 * b, draft_group=True)
             ids = torch.cat([input_ids, self._draft], dim=1)
-            hidden = self.model(ids, torch.cat([positions, positions], dim=1), self.attn)
+            hidden = self._forward(ids, torch.cat([positions, positions], dim=1))
             self._start_retrieval(draft=True)
         else:
             self._prepare()
-            hidden = self.model(input_ids, positions, self.attn)
+            hidden = self._forward(input_ids, positions)
         want_draft = s == 0 and lookahead
         finished_rows, _, draft = self.batch.apply(
             self.model, hidden, advance_clean=False, want_draft=want_draft
@@ -392,6 +400,21 @@ class OffloadEngine:
         if not bool(self.batch.masked.any()):
             self._phase = "commit"
         return [self.batch.requests[i] for i in finished_rows]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A forward through :attr:`attn` (prepared by the caller), from CUDA graphs if enabled."""
+        if not self.use_cuda_graph:
+            return self.model(input_ids, positions, self.attn)
+        key = (input_ids.shape[0], input_ids.shape[1])
+        runner = self._graphs.get(key)
+        if runner is None:
+            if key not in self._eager_keys:
+                # NOTE: one eager forward per new shape before capture (cuBLAS / cuDNN handles,
+                # torch.compile kernels); it is this step's real forward.
+                self._eager_keys.add(key)
+                return self.model(input_ids, positions, self.attn)
+            runner = self._graphs[key] = PiecewiseGraphForward(self.model, *key)
+        return runner.forward(input_ids, positions, self.attn)
 
     def _start_retrieval(self, draft: bool) -> RetrievalJob:
         """Copy the tail block's KV (draft, or the committed block) to the CPU pool and hand the
@@ -442,7 +465,7 @@ class OffloadEngine:
         b = self.block_size
         input_ids, positions = self.batch.inputs()
         self._prepare()
-        self.model(input_ids, positions, self.attn)  # the clean block's KV lands in its rows
+        self._forward(input_ids, positions)  # the clean block's KV lands in its rows
         reqs, starts = self.batch.requests, self.batch.starts()
         live = [i for i, r in enumerate(reqs) if not r.status.finished]
         active = self.pool.active

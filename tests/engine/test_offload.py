@@ -229,3 +229,22 @@ def test_eos_and_continuous_admission_equal_dense():
         eng.close()
         assert got == ref, mode
         assert eng.cpu_pool.num_used_pages == 0
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager_with_retrieval_thread():
+    """Piecewise graphs in the offload engine (captured while the retrieval thread runs) give
+    the eager engine's tokens."""
+    config = get_preset("tiny-llada2")
+    model = build_model(config, device="cuda", dtype=torch.bfloat16, seed=1)
+    prompts = _prompts(config, [70, 20, 130, 64])
+    params = SamplingParams(max_new_tokens=96, num_denoise_steps=8, ignore_eos=True)
+    cfg = OffloadConfig.for_mode("herald", kv_budget=0.3)
+    outs = []
+    for graphs in (False, True):
+        eng = OffloadEngine(
+            model, config, cfg, max_batch_size=4, max_seq_len=256, use_cuda_graph=graphs
+        )
+        outs.append([r.output_ids for r in eng.generate(prompts, params)])
+        eng.close()
+    assert outs[0] == outs[1]
