@@ -1,7 +1,8 @@
-"""Command line: ``herald generate | init-random``.
+"""Command line: ``herald generate | serve | init-random``.
 
 ``herald generate`` decodes prompts with the dense engine and prints the completion and stats.
-Without ``--model`` it runs the embedded default model on the CPU.
+Without ``--model`` it runs the embedded default model on the CPU. ``herald serve`` runs the
+OpenAI-compatible HTTP server (:mod:`herald.server`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="CPU selection kernel output mode",
     )
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the dense engine")
+    s.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (HF format) or preset name (default: %(default)s)",
+    )
+    s.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    s.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch-size", type=int, default=16, help="running requests at most")
+    s.add_argument(
+        "--max-seq-len", type=int, default=2048, help="prompt + generated tokens per request"
+    )
+    s.add_argument(
+        "--max-waiting", type=int, default=64, help="queued requests at most; beyond: HTTP 503"
+    )
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
+
     r = sub.add_parser(
         "init-random", help="write a random-weight checkpoint (HF format) for a preset"
     )
@@ -129,7 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
-    for p in (g, r):
+    for p in (g, s, r):
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return parser
 
@@ -273,6 +294,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from herald.models.loader import is_preset
+    from herald.server.launch import build_app, serve
+
+    device = _resolve_device(args.device)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    dtype = args.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    app = build_app(
+        args.model,
+        device=device,
+        dtype=dtype,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_waiting=args.max_waiting,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+    if is_preset(args.model):
+        print(f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr)
+    serve(app, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_init_random(args: argparse.Namespace) -> int:
     from herald.models.loader import write_random_checkpoint
 
@@ -287,7 +332,7 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
     args = _build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "init-random": cmd_init_random}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "init-random": cmd_init_random}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ chunks) when they are admitted, between steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ import torch
 from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
-from herald.engine.request import Request, new_request
+from herald.engine.request import Request, RequestStatus, new_request
 from herald.kv.dense_cache import DenseAttention, DenseKVCache
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -112,6 +113,40 @@ class DenseEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or len(self.batch) > 0
 
+    def abort(self, request: Request) -> None:
+        """Cancel ``request``: a waiting one leaves the queue now; a running one is marked
+        ``FINISHED_ABORTED`` and its row and KV slot are freed at the next step boundary
+        (compacted exactly as finished rows are). A finished request is left as it is."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+
+    def _drop_aborted(self) -> None:
+        rows = [
+            i
+            for i, r in enumerate(self.batch.requests)
+            if r.status == RequestStatus.FINISHED_ABORTED
+        ]
+        self._remove_rows(rows)
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        """Drop batch rows and compact the KV slots to match.
+
+        NOTE: a request can move twice (4 -> 3, then 3 -> 1 when rows 1 and 3 both leave), so
+        each move's length comes from the request that sat in ``src`` at that point, not from
+        the final ``requests[dst]`` (which may no longer exist)."""
+        slots: list[Request | None] = list(self.batch.requests)
+        for src, dst in self.batch.remove(rows):
+            moved = slots[src]
+            assert moved is not None
+            # Same stream as the forward that wrote the source slot, so the copy is ordered
+            # after it; the moved request's committed length is its block_start.
+            self.cache.move_slot(src, dst, moved.block_start)
+            slots[dst], slots[src] = moved, None
+
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self, req: Request, slot: int) -> None:
@@ -148,7 +183,9 @@ class DenseEngine:
     # -- decode ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Admit waiting requests, run one batched forward, return the requests that finished."""
+        """Drop aborted rows, admit waiting requests, run one batched forward, return the
+        requests that finished (aborted ones are not returned)."""
+        self._drop_aborted()
         self._admit()
         if not len(self.batch):
             return []
@@ -159,10 +196,7 @@ class DenseEngine:
             self.stats.num_nonfinite_steps += 1
         finished_rows, _, _ = self.batch.apply(self.model, hidden)
         finished = [self.batch.requests[i] for i in finished_rows]
-        for src, dst in self.batch.remove(finished_rows):
-            # NOTE: same stream as the forward that wrote the source slot, so the copy is ordered
-            # after it; the moved request's committed length is its block_start.
-            self.cache.move_slot(src, dst, self.batch.requests[dst].block_start)
+        self._remove_rows(finished_rows)
         self.stats.num_forwards += 1
         self.stats.step_batch_sizes.append(len(input_ids))
         self.stats.num_generated_tokens += sum(len(r.output_ids) for r in finished)

@@ -1,0 +1,255 @@
+"""The FastAPI app: OpenAI-compatible routes over an :class:`EngineLoop`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these
+need ``Authorization: Bearer <key>`` when the server has an API key), ``GET /health`` and
+``GET /metrics`` (always open). Streaming responses are Server-Sent Events with one chunk per
+completed block, then ``data: [DONE]``. Errors use the OpenAI shape
+(:func:`herald.server.protocol.error_response`): 400 bad input, 401 bad key, 404 unknown model,
+503 waiting queue full, 500 an internal error in this request only. A client that disconnects
+has its request aborted, which frees its engine slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from herald.engine.request import new_request
+from herald.server.engine_loop import EngineLoop, Handle, QueueFullError
+from herald.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from herald.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Common,
+    chat_prompt,
+    error_response,
+    validation_message,
+)
+from herald.server.text import TextStream
+from herald.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 16
+"""``max_tokens`` when the request gives none (OpenAI's default for completions)."""
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine loop, tokenizer, served model name and settings."""
+
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer
+    model_name: str
+    metrics: ServerMetrics
+    api_key: str | None = None
+
+    @property
+    def max_context(self) -> int:
+        return self.engine_loop.engine.max_seq_len
+
+
+class _Failed(Exception):
+    """A request failed inside the engine (HTTP 500 for that request only)."""
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """Build the app; its lifespan starts and stops ``state.engine_loop``'s thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine_loop.start()
+        yield
+        state.engine_loop.stop()
+
+    app = FastAPI(title="herald", lifespan=lifespan)
+    app.state.herald = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = validation_message(list(exc.errors()))
+        return error_response(400, msg, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if state.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return error_response(401, "invalid or missing API key", code="invalid_api_key")
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not state.engine_loop.is_alive():
+            return error_response(503, "the engine thread is not running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.running.set(state.engine_loop.num_running)
+        state.metrics.waiting.set(state.engine_loop.num_waiting)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "herald",
+            "max_model_len": state.max_context,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(state, request, body, body.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(state, request, body, chat_prompt(body.messages), chat=True)
+
+    return app
+
+
+async def _serve(
+    state: ServerState, request: Request, body: _Common, prompt: str, *, chat: bool
+) -> Response:
+    """Validate against the model, submit, and answer (JSON or SSE)."""
+    if body.model is not None and body.model != state.model_name:
+        return error_response(
+            404, f"model {body.model!r} is not served here (try {state.model_name!r})",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+    ids = state.tokenizer.encode(prompt)
+    if not ids:
+        return error_response(400, "the prompt is empty", param="prompt")
+    ctx = state.max_context
+    if len(ids) >= ctx:
+        return error_response(
+            400, f"the prompt is {len(ids)} tokens, the server's max context is {ctx}",
+            param="prompt", code="context_length_exceeded",
+        )  # fmt: skip
+    max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, ctx - len(ids))
+    params = body.sampling_params(max_tokens)
+    engine = state.engine_loop.engine
+    try:
+        new_request(ids, params, engine.config.block_size, ctx, engine.config.vocab_size)
+    except ValueError as e:
+        return error_response(400, str(e), param="max_tokens", code="context_length_exceeded")
+    try:
+        handle = state.engine_loop.submit(ids, params, asyncio.get_running_loop())
+    except QueueFullError as e:
+        state.metrics.requests.labels("rejected").inc()
+        return error_response(503, str(e))
+    meta = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": state.model_name,
+    }
+    stream = TextStream(state.tokenizer, body.stop_list())
+    if body.stream:
+        return StreamingResponse(
+            _sse(state, handle, stream, meta, chat=chat), media_type="text/event-stream"
+        )
+    try:
+        finish = "length"
+        async for _ids, _delta, reason in _events(state, handle, stream, request):
+            finish = reason or finish
+    except _Failed as e:
+        state.metrics.requests.labels("error").inc()
+        return error_response(500, f"internal error in this request: {e}")
+    state.metrics.requests.labels("ok").inc()
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": stream.text}
+    else:
+        choice["text"] = stream.text
+    choice["token_ids"] = stream.ids  # herald extension
+    usage = {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(stream.ids),
+        "total_tokens": len(ids) + len(stream.ids),
+    }
+    obj = "chat.completion" if chat else "text_completion"
+    return JSONResponse({**meta, "object": obj, "choices": [choice], "usage": usage})
+
+
+async def _events(
+    state: ServerState, handle: Handle, stream: TextStream, request: Request | None
+) -> AsyncIterator[tuple[list[int], str, str | None]]:
+    """Yield (block ids, text delta, finish reason or None) until the request ends.
+
+    Aborts the engine request when the consumer stops early (disconnect, cancellation, stop
+    string). Raises :class:`_Failed` when the engine reported an error for this request.
+    """
+    done = False
+    try:
+        while not done:
+            try:
+                kind, val = await asyncio.wait_for(handle.queue.get(), timeout=1.0)
+            except TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    return
+                continue
+            if kind == "error":
+                done = True
+                raise _Failed(f"{type(val).__name__}: {val}")
+            if kind == "done":
+                done = True
+                yield [], stream.finish(), str(val)
+            else:
+                delta = stream.feed(val)
+                if stream.stopped:
+                    done = True
+                    yield val, delta, "stop"
+                else:
+                    yield val, delta, None
+    finally:
+        if not done:
+            state.engine_loop.cancel(handle)
+        elif stream.stopped:
+            state.engine_loop.cancel(handle)  # a stop string ended it early: free the slot
+
+
+async def _sse(
+    state: ServerState, handle: Handle, stream: TextStream, meta: dict[str, Any], *, chat: bool
+) -> AsyncIterator[str]:
+    """The SSE body: one chunk per completed block, a final chunk, then ``[DONE]``."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    first = True
+    try:
+        async for ids, delta, reason in _events(state, handle, stream, None):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+            if chat:
+                choice["delta"] = {"content": delta}
+                if first:
+                    choice["delta"]["role"] = "assistant"
+            else:
+                choice["text"] = delta
+                choice["token_ids"] = ids  # herald extension
+            first = False
+            yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+        state.metrics.requests.labels("ok").inc()
+    except _Failed as e:
+        state.metrics.requests.labels("error").inc()
+        err = {"error": {"message": f"internal error in this request: {e}", "type": "server_error",
+                         "param": None, "code": None}}  # fmt: skip
+        yield f"data: {json.dumps(err)}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,119 @@
+"""OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
+
+Validation lives here so that every bad field becomes a 400 with
+``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored. Herald's
+extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]) and ``steps`` (fixed-steps
+mode: denoising steps per block). ``temperature`` defaults to 0 (greedy, deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from herald.config import SamplingParams
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An OpenAI-shaped error body with HTTP ``status``."""
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        503: "overloaded_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
+    steps: int | None = Field(default=None, gt=0)
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n = 1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 4:
+            raise ValueError("at most 4 stop strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            threshold=self.threshold,
+            num_denoise_steps=self.steps,
+            seed=self.seed,
+        )
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is one non-empty string."""
+
+    prompt: str = Field(min_length=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: at least one message."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """The prompt text of a conversation.
+
+    herald's tokenizers carry no chat template yet, so this is a plain join: one
+    ``"role: content"`` line per message, then ``"assistant:"`` to cue the reply.
+    """
+    lines = [f"{m.role}: {m.content}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic error."""
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return "malformed JSON body", None
+    msg = str(e.get("msg", "invalid value"))
+    return (f"{param}: {msg}" if param else msg), param

@@ -1,0 +1,96 @@
+"""Live servers for the HTTP tests: the real app under uvicorn on 127.0.0.1, a free port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from herald.config import SamplingParams
+from herald.engine.dense import DenseEngine
+from herald.models.loader import load_model
+from herald.server.api import ServerState
+from herald.server.launch import build_app
+
+MODEL = "tiny-sdar"
+MAX_SEQ_LEN = 256
+API_KEY = "sesame"
+
+
+@dataclass
+class LiveServer:
+    app: FastAPI
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self) -> ServerState:
+        state: ServerState = self.app.state.herald
+        return state
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(**kwargs: object) -> LiveServer:
+    app = build_app(MODEL, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ_LEN, **kwargs)  # type: ignore[arg-type]
+    port = _free_port()
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(cfg)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    return LiveServer(app, f"http://127.0.0.1:{port}", server, thread)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    """The main server: 4 running requests at most, so 16 clients exercise the queue."""
+    s = start_server(max_batch_size=4, max_waiting=64)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[LiveServer]:
+    """One running request, one waiting at most, an API key."""
+    s = start_server(max_batch_size=1, max_waiting=1, api_key=API_KEY)
+    yield s
+    s.close()
+
+
+class Offline:
+    """The reference: each prompt decoded alone by a fresh DenseEngine on its own model copy."""
+
+    def __init__(self) -> None:
+        self.model, self.config, self.tokenizer = load_model(MODEL, "cpu", torch.float32)
+
+    def run(self, prompt: str, params: SamplingParams) -> list[int]:
+        engine = DenseEngine(self.model, self.config, max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
+        (req,) = engine.generate([self.tokenizer.encode(prompt)], params)
+        return list(req.output_ids)
+
+
+@pytest.fixture(scope="module")
+def offline() -> Offline:
+    return Offline()

@@ -1,0 +1,314 @@
+"""HTTP tests of ``herald serve`` against the real server (uvicorn on loopback, tiny-sdar, CPU).
+
+Every request uses fixed-steps mode or few blocks so the whole file stays well under a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from conftest import API_KEY, MAX_SEQ_LEN, MODEL, LiveServer, Offline
+
+from herald.config import SamplingParams
+
+TIMEOUT = httpx.Timeout(60.0)
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=body["max_tokens"],
+        temperature=body.get("temperature", 0.0),
+        top_p=body.get("top_p", 1.0),
+        threshold=body.get("threshold", 0.95),
+        num_denoise_steps=body.get("steps"),
+        seed=body.get("seed"),
+    )
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def _idle(s: LiveServer) -> bool:
+    loop = s.state.engine_loop
+    return not loop.engine.has_unfinished() and loop.num_running == 0 and loop.num_waiting == 0
+
+
+def _sse_chunks(resp: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_concurrent_clients_match_offline(server: LiveServer, offline: Offline) -> None:
+    bodies = []
+    for i in range(16):
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "prompt": f"client {i} says hello",
+            "max_tokens": 32 + 16 * (i % 3),
+            "steps": 2 + i % 3,
+        }
+        if i % 4 == 1:
+            body.update(temperature=0.8, top_p=0.9, seed=100 + i)
+        bodies.append(body)
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as c:
+            return list(await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies)))
+
+    responses = asyncio.run(go())
+    for body, r in zip(bodies, responses, strict=True):
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        want = offline.run(body["prompt"], _params(body))
+        assert choice["token_ids"] == want
+        assert choice["text"] == offline.tokenizer.decode(want)
+        assert choice["finish_reason"] in ("stop", "length")
+        assert r.json()["usage"]["completion_tokens"] == len(want)
+    _wait(lambda: _idle(server))
+
+
+def test_streaming_joins_to_the_same_text(server: LiveServer) -> None:
+    body = {"prompt": "stream me", "max_tokens": 96, "steps": 2}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        full = c.post("/v1/completions", json=body).json()["choices"][0]
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            chunks = _sse_chunks(r)
+    assert chunks[-1] == "[DONE]"
+    parts = chunks[:-1]
+    assert "".join(p["choices"][0]["text"] for p in parts) == full["text"]
+    assert [t for p in parts for t in p["choices"][0]["token_ids"]] == full["token_ids"]
+    # One chunk per completed block (at most B = 32 tokens; the first block also holds the
+    # prompt's tail), then the final one with the reason.
+    blocks = [p["choices"][0]["token_ids"] for p in parts[:-1]]
+    assert len(blocks) >= 96 // 32 and all(0 < len(b) <= 32 for b in blocks)
+    assert parts[-1]["choices"][0]["token_ids"] == []
+    assert parts[-1]["choices"][0]["finish_reason"] == full["finish_reason"]
+    assert all(p["choices"][0]["finish_reason"] is None for p in parts[:-1])
+
+
+def test_chat_completion_and_stream(server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "steps": 2}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["role"] == "assistant"
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            chunks = _sse_chunks(s)
+    assert chunks[-1] == "[DONE]"
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert "".join(p["choices"][0]["delta"]["content"] for p in chunks[:-1]) == msg["content"]
+
+
+def test_cancelled_stream_frees_its_slot(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = server.state.engine_loop.engine
+    real_step = engine.step
+
+    def slow_step() -> Any:  # keep the long request running until the client has gone
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    aborted = server.state.engine_loop.num_aborted
+    long_body = {"prompt": "a long one", "max_tokens": 200, "threshold": 1.0, "stream": True}
+    short = {"prompt": "others keep going", "max_tokens": 32, "steps": 2}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        results: list[int] = []
+        t = threading.Thread(
+            target=lambda: results.extend(
+                c.post("/v1/completions", json=short).status_code for _ in range(3)
+            )
+        )
+        with c.stream("POST", "/v1/completions", json=long_body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # first block arrived: the request is mid-generation
+            t.start()
+        # Leaving the block closed the stream.
+        t.join(timeout=60)
+    assert results == [200, 200, 200]
+    _wait(lambda: _idle(server))
+    assert len(server.state.engine_loop.engine.batch) == 0
+    assert server.state.engine_loop.num_aborted == aborted + 1
+
+
+def test_bad_inputs_get_4xx_while_a_good_request_completes(
+    server: LiveServer, offline: Offline
+) -> None:
+    good = {"prompt": "the good one", "max_tokens": 64, "steps": 3}
+    got: list[httpx.Response] = []
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        t = threading.Thread(target=lambda: got.append(c.post("/v1/completions", json=good)))
+        t.start()
+        bad: list[tuple[dict[str, Any] | str, int, str | None]] = [
+            ({"prompt": ""}, 400, "prompt"),
+            ({}, 400, "prompt"),
+            ({"prompt": "x" * (MAX_SEQ_LEN + 10)}, 400, "prompt"),
+            ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+            ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+            ({"prompt": "hi", "max_tokens": MAX_SEQ_LEN}, 400, "max_tokens"),
+            ({"prompt": "hi", "threshold": 0}, 400, "threshold"),
+            ({"prompt": "hi", "threshold": 1.5}, 400, "threshold"),
+            ({"prompt": "hi", "n": 2}, 400, "n"),
+            ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+            ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+            ({"prompt": "hi", "steps": 0}, 400, "steps"),
+            ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+            ({"prompt": ["a", "b"]}, 400, "prompt"),
+            ({"prompt": "hi", "model": "nope"}, 404, "model"),
+            ('{"prompt": "hi", ', 400, None),
+            ("[1, 2]", 400, None),
+        ]
+        for body, status, param in bad:
+            if isinstance(body, str):
+                r = c.post(
+                    "/v1/completions", content=body, headers={"content-type": "application/json"}
+                )
+            else:
+                r = c.post("/v1/completions", json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            if param is not None:
+                assert err["param"] == param, (body, err)
+        r = c.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        # Unknown fields are ignored.
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "steps": 1, "x": 1})
+        assert r.status_code == 200, r.text
+        t.join(timeout=60)
+    assert got and got[0].status_code == 200, got
+    want = offline.run(good["prompt"], _params(good))
+    assert got[0].json()["choices"][0]["token_ids"] == want
+
+
+def test_mask_text_is_plain_text(server: LiveServer) -> None:
+    prompt = "before <|MASK|> after <|MASK|>"
+    mask_id = server.state.engine_loop.engine.config.mask_token_id
+    assert mask_id not in server.state.tokenizer.encode(prompt)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32, "steps": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_string_truncates(server: LiveServer) -> None:
+    body = {"prompt": "stop test", "max_tokens": 64, "steps": 2}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        text = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stop = text[5:7]
+        assert stop
+        r = c.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+        assert r["text"] == text[: text.find(stop)] and r["finish_reason"] == "stop"
+        streamed = {**body, "stop": [stop], "stream": True}
+        with c.stream("POST", "/v1/completions", json=streamed) as s:
+            parts = _sse_chunks(s)[:-1]
+        assert "".join(p["choices"][0]["text"] for p in parts) == r["text"]
+    _wait(lambda: _idle(server))
+
+
+def test_engine_error_fails_that_request_only(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = server.state.engine_loop.engine
+    poison = server.state.tokenizer.encode("POISON")
+    real = engine.add_request
+
+    def add_request(ids: list[int], params: SamplingParams) -> Any:
+        if list(ids) == poison:
+            raise RuntimeError("injected failure")
+        return real(ids, params)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        ok: list[httpx.Response] = []
+        t = threading.Thread(
+            target=lambda: ok.append(
+                c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 32, "steps": 2})
+            )
+        )
+        t.start()
+        r = c.post("/v1/completions", json={"prompt": "POISON", "max_tokens": 8})
+        t.join(timeout=60)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        assert ok[0].status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def test_queue_full_503_and_api_key(
+    small_server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = small_server
+    engine = s.state.engine_loop.engine
+    real_step = engine.step
+
+    def slow_step() -> Any:  # the tiny model is too quick to hold a slot otherwise
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
+        assert c.get("/v1/models").status_code == 401
+        bad = c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        r = c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401
+        models = c.get("/v1/models", headers=auth).json()
+        assert models["data"][0]["id"] == MODEL
+        assert c.get("/health").json() == {"status": "ok"}
+
+        long_body = {"prompt": "hold", "max_tokens": 200, "threshold": 1.0, "stream": True}
+        queued: list[httpx.Response] = []
+        loop = s.state.engine_loop
+        with c.stream("POST", "/v1/completions", json=long_body, headers=auth) as running:
+            for line in running.iter_lines():
+                if line.startswith("data: "):
+                    break
+            body = {"prompt": "queued", "max_tokens": 16, "steps": 1}
+            t = threading.Thread(
+                target=lambda: queued.append(c.post("/v1/completions", json=body, headers=auth))
+            )
+            t.start()
+            _wait(lambda: loop.num_waiting == 1)
+            full = c.post("/v1/completions", json=body, headers=auth)
+            assert full.status_code == 503, full.text
+            assert full.json()["error"]["type"] == "overloaded_error"
+        t.join(timeout=60)
+        assert queued and queued[0].status_code == 200
+        _wait(lambda: _idle(s))
+
+
+def test_metrics_and_health(server: LiveServer) -> None:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        c.post("/v1/completions", json={"prompt": "count me", "max_tokens": 32, "steps": 1})
+        text = c.get("/metrics").text
+        assert c.get("/health").status_code == 200
+    for name in (
+        "herald_requests_running",
+        "herald_requests_waiting",
+        "herald_generated_tokens_total",
+        "herald_generation_tokens_per_second",
+        "herald_engine_step_seconds_count",
+    ):
+        assert name in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("herald_generated_tokens_total"))
+    assert float(line.split()[-1]) > 0
