@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -84,15 +84,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if state.api_key is not None and request.url.path.startswith("/v1/"):
+    async def _auth(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware would hide the
+        # client's disconnect from the route (needed to abort abandoned requests).
+        if state.api_key is not None:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {state.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response(401, "invalid or missing API key", code="invalid_api_key")
-        response: Response = await call_next(request)
-        return response
+                raise StarletteHTTPException(401, "invalid or missing API key")
+
+    auth = [Depends(_auth)]
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -106,7 +107,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.waiting.set(state.engine_loop.num_waiting)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models() -> JSONResponse:
         card = {
             "id": state.model_name,
@@ -117,11 +118,11 @@ def create_app(state: ServerState) -> FastAPI:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _serve(state, request, body, body.prompt, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(state, request, body, chat_prompt(body.messages), chat=True)
 
@@ -200,13 +201,19 @@ async def _events(
     string). Raises :class:`_Failed` when the engine reported an error for this request.
     """
     done = False
+    checked = time.monotonic()
     try:
         while not done:
             try:
-                kind, val = await asyncio.wait_for(handle.queue.get(), timeout=1.0)
+                kind, val = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
             except TimeoutError:
-                if request is not None and await request.is_disconnected():
+                kind, val = "", None
+            # Non-streaming: poll for a client that went away (streams are cancelled instead).
+            if request is not None and time.monotonic() - checked >= 0.5:
+                checked = time.monotonic()
+                if await request.is_disconnected():
                     return
+            if not kind:
                 continue
             if kind == "error":
                 done = True

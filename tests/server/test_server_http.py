@@ -312,3 +312,27 @@ def test_metrics_and_health(server: LiveServer) -> None:
         assert name in text
     line = next(ln for ln in text.splitlines() if ln.startswith("herald_generated_tokens_total"))
     assert float(line.split()[-1]) > 0
+
+
+def test_disconnected_non_streaming_client_is_aborted(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = server.state.engine_loop.engine
+    real_step = engine.step
+
+    def slow_step() -> Any:  # ~230 steps: several seconds unless the request is aborted
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # no early EOS: runs to the end
+    _wait(lambda: _idle(server))
+    aborted = server.state.engine_loop.num_aborted
+    body = {"prompt": "gone", "max_tokens": 200, "threshold": 1.0}
+    with (
+        httpx.Client(base_url=server.url, timeout=httpx.Timeout(0.5)) as c,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        c.post("/v1/completions", json=body)
+    _wait(lambda: _idle(server), timeout=4.0)  # well before the request could finish
+    assert server.state.engine_loop.num_aborted == aborted + 1
