@@ -2,8 +2,9 @@
 
 Validation lives here so that every bad field becomes a 400 with
 ``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored. Herald's
-extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]) and ``steps`` (fixed-steps
-mode: denoising steps per block). ``temperature`` defaults to 0 (greedy, deterministic).
+extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps`` (fixed-steps
+mode: denoising steps per block) and ``mode`` (only ``"dense"`` for now). ``temperature``
+defaults to 0 (greedy, deterministic).
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class _Common(BaseModel):
     stream: bool = False
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
     steps: int | None = Field(default=None, gt=0)
+    mode: str | None = None
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str | None) -> str | None:
+        if v is not None and v != "dense":
+            known = ("herald", "mage", "infinigen")
+            why = "not served yet (dense only)" if v in known else "unknown"
+            raise ValueError(f"mode {v!r} is {why}; this server decodes with mode 'dense'")
+        return v
 
     @field_validator("n")
     @classmethod

@@ -172,6 +172,8 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
             ({"prompt": "hi", "steps": 0}, 400, "steps"),
             ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+            ({"prompt": "hi", "mode": "warp"}, 400, "mode"),
+            ({"prompt": "hi", "mode": "herald"}, 400, "mode"),
             ({"prompt": ["a", "b"]}, 400, "prompt"),
             ({"prompt": "hi", "model": "nope"}, 404, "model"),
             ('{"prompt": "hi", ', 400, None),
@@ -192,7 +194,10 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
         r = c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         # Unknown fields are ignored.
-        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "steps": 1, "x": 1})
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 8, "steps": 1, "x": 1, "mode": "dense"},
+        )
         assert r.status_code == 200, r.text
         t.join(timeout=60)
     assert got and got[0].status_code == 200, got
