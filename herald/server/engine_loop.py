@@ -142,6 +142,9 @@ class EngineLoop:
                 self._fail_running(e)
             dt = time.perf_counter() - t0
             self._publish(dt)
+            st = self.engine.stats  # per-step lists grow without bound in a long-lived server
+            if len(st.step_seconds) > 10_000:
+                del st.step_seconds[:-1000], st.step_batch_sizes[:-1000]
 
     def _drain(self, *, block: bool) -> None:
         try:

@@ -127,6 +127,7 @@ def test_cancelled_stream_frees_its_slot(
         return real_step()
 
     monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # no early EOS: runs to the end
     aborted = server.state.engine_loop.num_aborted
     long_body = {"prompt": "a long one", "max_tokens": 200, "threshold": 1.0, "stream": True}
     short = {"prompt": "others keep going", "max_tokens": 32, "steps": 2}
@@ -270,6 +271,7 @@ def test_queue_full_503_and_api_key(
         return real_step()
 
     monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # the held request must not end
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
         assert c.get("/v1/models").status_code == 401
