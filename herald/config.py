@@ -1,4 +1,4 @@
-"""User-facing configuration: how to decode (SamplingParams) and how to run (EngineConfig).
+"""User-facing configuration: how to decode (SamplingParams) and how to offload (OffloadConfig).
 
 Frozen dataclasses; the attribute docstrings double as CLI help.
 """
@@ -56,18 +56,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the dense engine runs a batch."""
-
-    max_batch_size: int = 64
-    """Requests decoded together in one forward."""
-    prefill_chunk_tokens: int = 4096
-    """Prompt tokens per prefill forward (rounded down to a multiple of the block size)."""
-    use_cuda_graph: bool = False
-    """Capture the denoising forward in CUDA graphs (GPU only; uniform-length batches)."""
 
 
 @dataclass(frozen=True)
