@@ -33,6 +33,7 @@ import torch
 from herald.config import OffloadConfig, SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
+from herald.engine.dense import EngineStats
 from herald.engine.request import Request, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
@@ -56,12 +57,9 @@ class BlockTiming:
 
 
 @dataclass
-class OffloadStats:
-    num_prefill_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_forwards: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+class OffloadStats(EngineStats):
+    """The dense engine's counters plus per-block stream timings."""
+
     blocks: list[BlockTiming] = field(default_factory=list)
 
 
