@@ -89,7 +89,9 @@ class OffloadConfig:
     cpu_kv_tokens: int | None = None
     """CPU pool size in tokens (one of ``cpu_kv_gb`` / ``cpu_kv_tokens``; pages of B tokens)."""
     selection_threads: int | None = None
-    """CPU kernel threads (default: all cores)."""
+    """CPU kernel threads (default: all cores this process may use but two, which stay free for
+    the main stream's kernel launches and the retrieval thread's Python; with every core busy in
+    the kernel, the main stream's host side slows down by several times)."""
     proxy_ratio: float = 0.25
     """InfiniGen proxy: fraction of head_dim channels kept in the partial-key cache."""
 

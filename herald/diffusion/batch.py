@@ -138,7 +138,9 @@ class DecodeBatch:
         finished: list[int] = []
         now_clean = (~self.masked.any(-1)).tolist()
         for i, req in enumerate(self.requests):
-            if num_masked_host[i] > 0:
+            # A row already finished (aborted in a lockstep engine that keeps it until the block
+            # boundary) decodes along but records nothing and is not reported again.
+            if num_masked_host[i] > 0 and not req.status.finished:
                 req.steps_in_block += 1
                 if now_clean[i] and self._complete_block(req, i):
                     finished.append(i)

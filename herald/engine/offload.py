@@ -22,7 +22,9 @@ Every cross-stream hand-off is fenced; the NOTE comments say where and why.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,13 +36,14 @@ from herald.config import OffloadConfig, SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.dense import EngineStats
-from herald.engine.request import Request, new_request
+from herald.engine.request import Request, RequestStatus, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.dense_cache import SlotAttention, _sdpa_folded
 from herald.kv.gpu_selection import select_topk_rows
+from herald.kv.pinned import register_pinned, unregister_pinned
 from herald.kv.proxy import proxy_channels, proxy_topk
-from herald.kv.selection import gather_selected, select_topk
+from herald.kv.selection import default_num_threads, gather_selected, select_topk
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -48,12 +51,20 @@ from herald.models.config import ModelConfig
 
 @dataclass
 class BlockTiming:
-    """Per-block timing (seconds, host clock): main stream, retrieval stream, boundary stall."""
+    """Per-block timing (seconds, host clock): main stream, retrieval stream, boundary stall.
+
+    ``retrieval_start`` / ``retrieval_end``: when the retrieval job for the next block began and
+    ended, in seconds after this block's first step began (None when no job ran). ``steps``: the
+    forwards of the block, commit included.
+    """
 
     main: float
     retrieval: float
     stall: float
     batch: int
+    retrieval_start: float | None = None
+    retrieval_end: float | None = None
+    steps: int = 0
 
 
 @dataclass
@@ -118,6 +129,9 @@ class OffloadEngine:
         retrieval_delay: a callable returning seconds to sleep at each retrieval layer (the
             stress test injects random delays to expose missing fences).
         record_selection: keep each retrieval job's queries and indices (tests).
+        random_prefill: fill each prompt's KV (CPU pool, dense store, first block's sparse pool)
+            with random values instead of running the prompt forward and the first selection
+            (decode-throughput benchmarks only: decode speed does not depend on the values).
         use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
             (:mod:`herald.engine.cuda_graph`) in the plain and fused steps and the commit. Off by
             default until verified on the GPU with the retrieval thread running.
@@ -135,6 +149,7 @@ class OffloadEngine:
         cpu_pool: CpuKVPool | None = None,
         retrieval_delay: Callable[[], float] | None = None,
         record_selection: bool = False,
+        random_prefill: bool = False,
         use_cuda_graph: bool = False,
     ) -> None:
         offload.validate()
@@ -181,6 +196,8 @@ class OffloadEngine:
         self.dense_attn = SlotAttention(self.dense_k, self.dense_v) if self.num_dense else None
         self.sparse_attn = SlotAttention(*self.pool.store(self.pool.active))
         self.attn = _RoutedAttention(self.num_dense, self.dense_attn, self.sparse_attn)
+        self.selection_threads = _selection_threads(offload.selection_threads)
+        self.random_prefill = random_prefill
         self.worker = RetrievalWorker(
             model,
             self.num_dense,
@@ -191,7 +208,7 @@ class OffloadEngine:
             config.mask_token_id,
             b,
             output_mode=offload.output_mode,
-            num_threads=offload.selection_threads,
+            num_threads=self.selection_threads,
             delay=retrieval_delay,
         )
         self.proxy_chans: dict[int, torch.Tensor] = {}
@@ -221,8 +238,15 @@ class OffloadEngine:
         self._block_t0 = 0.0
         self.stats = OffloadStats()
         self.cuda = self.device.type == "cuda"
+        # Pinned host staging for the batched block hand-offs (draft and commit KV -> CPU pool):
+        # [L', 2, slots, Hkv, B, D] elements.
+        self._handoff = torch.zeros(
+            len(pooled) * 2 * max_batch_size * hkv * b * d, dtype=cpu_pool.dtype
+        )
+        self._handoff_pinned = register_pinned(self._handoff) if self.cuda else []
         self.use_cuda_graph = use_cuda_graph and self.cuda
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
+        self._random_pages: torch.Tensor | None = None
         self._eager_keys: set[tuple[int, int]] = set()
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -254,12 +278,28 @@ class OffloadEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or len(self.batch) > 0
 
+    def abort(self, request: Request) -> None:
+        """Cancel ``request``. A waiting one leaves the queue now. A running one is marked
+        ``FINISHED_ABORTED``; blocks run in lockstep, so it keeps its row (its tokens are
+        discarded) until the block boundary, where it leaves and its CPU pages are freed. It is
+        never returned by :meth:`step`. A finished request is left as it is."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+
     def close(self) -> None:
         """Stop the retrieval thread, release every request's pages and the pinned memory."""
         self.worker.close()
         for req in self.batch.requests:
             if req.request_id in self.cpu_pool:
                 self.cpu_pool.free(req.request_id)
+        if self._handoff_pinned:
+            self._sync()
+            unregister_pinned(self._handoff_pinned)
+            self._handoff_pinned = []
 
     def _sync(self) -> None:
         if self.cuda:
@@ -287,6 +327,8 @@ class OffloadEngine:
     def _prefill(self, req: Request, slot: int) -> tuple[int, int]:
         """Prompt forward into a temporary full store; KV to the dense store and the CPU pool;
         the first block's selection with its B queries, exact, on the GPU. Returns (k, last)."""
+        if self.random_prefill:
+            return self._random_prefill(req, slot)
         b, cfg = self.block_size, self.config
         s = req.layout.num_prefill_tokens
         shape = (1, cfg.num_kv_heads, s + b, cfg.head_dim)
@@ -341,6 +383,71 @@ class OffloadEngine:
             self.pool.v(buf, layer)[slot, :, k : k + last] = vals[:, s - last : s]
         return k, last
 
+    def _random_prefill(self, req: Request, slot: int) -> tuple[int, int]:
+        """Random KV in place of the prompt forward and the first selection (benchmarks)."""
+        b, s = self.block_size, req.layout.num_prefill_tokens
+        self.stats.num_prefill_tokens += s
+        for t in self.dense_k[: self.num_dense] + self.dense_v[: self.num_dense]:
+            assert t is not None
+            t[slot, :, :s].normal_()
+        nblk = s // b
+        if nblk:
+            pages = torch.tensor(self.cpu_pool.pages(req.request_id)[:nblk], dtype=torch.long)
+            hkv, d = self.config.num_kv_heads, self.config.head_dim
+            if self._random_pages is None or self._random_pages.shape[0] < nblk:
+                g = torch.Generator().manual_seed(0)
+                self._random_pages = torch.randn(nblk, hkv, b, d, generator=g).to(
+                    self.cpu_pool.dtype
+                )
+            store = self.cpu_pool.storage  # [L', 2, pages, Hkv, B, D]
+            for pl in range(store.shape[0]):
+                for kv in range(2):
+                    store[pl, kv].index_copy_(0, pages, self._random_pages[:nblk])
+        for t in self.partial_k.values():
+            t[slot, :, :s].normal_()
+        if s == 0:
+            return 0, 0
+        last = b if s >= b else 0
+        k = self.budget_for(s)
+        self.pool.all_k(self.pool.active)[:, slot, :, : k + last].normal_()
+        self.pool.all_v(self.pool.active)[:, slot, :, : k + last].normal_()
+        return k, last
+
+    # -- batched block hand-offs ----------------------------------------------------------------
+    def _pool_blocks(self, buffer: int, offsets: list[int]) -> torch.Tensor:
+        """Rows ``[offsets[i], offsets[i] + B)`` of slots ``0..n-1`` of every pooled layer of
+        ``buffer``, K and V, as one new device tensor ``[L', 2, n, Hkv, B, D]``."""
+        b, n = self.block_size, len(offsets)
+        ks, vs = self.pool.all_k(buffer), self.pool.all_v(buffer)
+        if all(o == offsets[0] for o in offsets):
+            o = offsets[0]
+            return torch.stack([ks[:, :n, :, o : o + b], vs[:, :n, :, o : o + b]], dim=1)
+        return torch.stack(
+            [
+                torch.stack([t[:, i, :, o : o + b] for i, o in enumerate(offsets)], dim=1)
+                for t in (ks, vs)
+            ],
+            dim=1,
+        )
+
+    def _blocks_to_cpu(self, blocks: torch.Tensor, pages: list[int]) -> None:
+        """Write ``blocks`` ``[L', 2, n, Hkv, B, D]`` (device) into CPU pool page ``pages[i]``
+        of every offloaded layer, for each row i. Synchronous: on return the pages hold the
+        values (one device-to-host copy, then one host scatter)."""
+        idx = torch.tensor(pages, dtype=torch.long)
+        store = self.cpu_pool.storage
+        if not self.cuda:
+            store.index_copy_(2, idx, blocks.to(store.dtype))
+            return
+        host = self._handoff[: blocks.numel()].view(blocks.shape)
+        host.copy_(blocks, non_blocking=True)
+        # NOTE: copy-before-read: the host scatter below reads the staging only after the
+        # device-to-host copy completed; and since this call returns only then, the staging is
+        # free for the next hand-off and every page written here is complete for any reader
+        # (the selection kernel, the gathers, MAGE's host reads).
+        torch.cuda.current_stream(self.device).synchronize()
+        store.index_copy_(2, idx, host)
+
     # -- one step -------------------------------------------------------------------------------
     def _prepare(self, length: int = 0, draft_group: bool = False) -> None:
         b = self.block_size
@@ -384,7 +491,12 @@ class OffloadEngine:
             self._prepare(2 * b, draft_group=True)
             ids = torch.cat([input_ids, self._draft], dim=1)
             hidden = self._forward(ids, torch.cat([positions, positions], dim=1))
-            self._start_retrieval(draft=True)
+            # The draft group's KV sits in the active pool right after the block's rows; later
+            # steps of this block never write those rows, so it can be read after apply().
+            draft_kv = self._pool_blocks(
+                self.pool.active,
+                [k + last + b for k, last in zip(self.k_sel, self.last_len, strict=True)],
+            )
         else:
             self._prepare()
             hidden = self._forward(input_ids, positions)
@@ -394,6 +506,8 @@ class OffloadEngine:
         )
         if draft is not None:
             self._draft = draft
+        if s == 1 and lookahead:
+            self._start_retrieval(draft_kv)
         self._block_step += 1
         if not bool(self.batch.masked.any()):
             self._phase = "commit"
@@ -414,23 +528,17 @@ class OffloadEngine:
             runner = self._graphs[key] = PiecewiseGraphForward(self.model, *key)
         return runner.forward(input_ids, positions, self.attn)
 
-    def _start_retrieval(self, draft: bool) -> RetrievalJob:
-        """Copy the tail block's KV (draft, or the committed block) to the CPU pool and hand the
-        next block's selection to the retrieval stream."""
+    def _start_retrieval(self, draft_kv: torch.Tensor | None) -> RetrievalJob:
+        """Hand the next block's selection to the retrieval stream (lookahead: its thread; off:
+        run now). ``draft_kv`` (``[L', 2, n, Hkv, B, D]``, device): the draft group's KV, copied
+        to each request's scratch page first; None: the tail is the block just committed."""
         b = self.block_size
         reqs = self.batch.requests
         starts = self.batch.starts()
-        if draft:
-            # The draft group's KV sits in the active pool right after the block's rows.
-            for layer in self.pool.layers:
-                pl = layer - self.num_dense
-                kc, vc = self.pool.k(self.pool.active, layer), self.pool.v(self.pool.active, layer)
-                for i, req in enumerate(reqs):
-                    p = self.k_sel[i] + self.last_len[i] + b
-                    scratch = len(self.cpu_pool.pages(req.request_id)) - 1
-                    self.cpu_pool.write_block(
-                        pl, req.request_id, scratch, kc[i, :, p : p + b], vc[i, :, p : p + b]
-                    )
+        draft = draft_kv is not None
+        if draft_kv is not None:
+            scratch = [self.cpu_pool.pages(r.request_id)[-1] for r in reqs]
+            self._blocks_to_cpu(draft_kv, scratch)
         tables = []
         for req, st in zip(reqs, starts, strict=True):
             pages = self.cpu_pool.pages(req.request_id)
@@ -439,8 +547,9 @@ class OffloadEngine:
         page_table = _page_table(tables)
         ready = None
         if self.cuda:
-            # NOTE: the event covers every KV copy issued on the main stream so far (the draft
-            # just above, or the commit's); the retrieval stream and its host reads wait on it.
+            # NOTE: the event covers the main stream's work so far: the dense layers' KV of the
+            # draft (or of the committed block) that the retrieval stream reads on the GPU. The
+            # CPU pages were written synchronously (_blocks_to_cpu).
             ready = torch.cuda.Event()
             ready.record()
         job = RetrievalJob(
@@ -465,48 +574,50 @@ class OffloadEngine:
         self._prepare()
         self._forward(input_ids, positions)  # the clean block's KV lands in its rows
         reqs, starts = self.batch.requests, self.batch.starts()
-        live = [i for i, r in enumerate(reqs) if not r.status.finished]
         active = self.pool.active
-        for layer in self.pool.layers:
-            pl = layer - self.num_dense
-            kc, vc = self.pool.k(active, layer), self.pool.v(active, layer)
-            for i in live:
-                p = self.k_sel[i] + self.last_len[i]
-                self.cpu_pool.write_block(
-                    pl, reqs[i].request_id, starts[i] // b, kc[i, :, p : p + b], vc[i, :, p : p + b]
-                )
+        # The clean block's KV of every row and pooled layer, in one device tensor. Rows that
+        # finished (or were aborted) are written too: their pages are freed right after.
+        blocks = self._pool_blocks(
+            active, [k + last for k, last in zip(self.k_sel, self.last_len, strict=True)]
+        )
+        pages = [
+            self.cpu_pool.pages(r.request_id)[st // b] for r, st in zip(reqs, starts, strict=True)
+        ]
+        self._blocks_to_cpu(blocks, pages)
         for layer, chans in self.proxy_chans.items():
-            kc = self.pool.k(active, layer)
-            for i in live:
-                p = self.k_sel[i] + self.last_len[i]
-                blk = kc[i, :, p : p + b]  # [Hkv, B, D]
-                part = blk.gather(2, chans[:, None, :].expand(-1, b, -1))
-                self.partial_k[layer][i, :, starts[i] : starts[i] + b] = part
+            blk = blocks[self.pool.layers.index(layer), 0]  # [n, Hkv, B, D]
+            part = blk.gather(3, chans[None, :, None, :].expand(len(reqs), -1, b, -1))
+            for i, st in enumerate(starts):
+                self.partial_k[layer][i, :, st : st + b] = part[i]
         main_t = time.perf_counter() - self._block_t0
         stall, retrieval = 0.0, 0.0
+        rstart: float | None = None
+        rend: float | None = None
         k_next = [self.budget_for(st + b) for st in starts]
         if self.offload.selection_queries == "representative":
             if self._job is None:  # lookahead off (or no step 1 ran): select now, after commit
-                self._start_retrieval(draft=False)
+                self._start_retrieval(None)
             assert self._job is not None
             stream = torch.cuda.current_stream(self.device) if self.cuda else None
             stall = self._job.wait(stream)
-            retrieval = self._job.seconds
+            job = self._job
+            retrieval = job.seconds
+            rstart, rend = job.t_start - self._block_t0, job.t_end - self._block_t0
             self._job = None
-        # The completed block becomes the next pool's last block: active rows -> idle rows.
+        # The completed block becomes the next pool's last block: -> idle rows [k', k' + B).
         idle = self.pool.idle
-        for layer in self.pool.layers:
-            for src, dst in (
-                (self.pool.k(active, layer), self.pool.k(idle, layer)),
-                (self.pool.v(active, layer), self.pool.v(idle, layer)),
-            ):
-                for i in range(len(reqs)):
-                    p = self.k_sel[i] + self.last_len[i]
-                    dst[i, :, k_next[i] : k_next[i] + b] = src[i, :, p : p + b]
+        for kv, dst in enumerate((self.pool.all_k(idle), self.pool.all_v(idle))):
+            if all(x == k_next[0] for x in k_next):
+                dst[:, : len(reqs), :, k_next[0] : k_next[0] + b] = blocks[:, kv]
+            else:
+                for i, kn in enumerate(k_next):
+                    dst[:, i, :, kn : kn + b] = blocks[:, kv, i]
         self.pool.swap()
         self.sparse_attn.set_store(*self.pool.store(self.pool.active))
         self.k_sel, self.last_len = k_next, [b] * len(reqs)
-        self.stats.blocks.append(BlockTiming(main_t, retrieval, stall, len(reqs)))
+        self.stats.blocks.append(
+            BlockTiming(main_t, retrieval, stall, len(reqs), rstart, rend, self._block_step + 1)
+        )
         # Finished requests leave; the rest move to their next block.
         done = [i for i, r in enumerate(reqs) if r.status.finished]
         self.batch.advance([i for i in range(len(reqs)) if i not in done])
@@ -564,8 +675,8 @@ class OffloadEngine:
             idx[i, :, : x.shape[1]] = x
         table = _page_table(tables)
         if self.cuda:
-            # NOTE: copy-before-read: the commit's device-to-host copies into the CPU pool are
-            # asynchronous; the host gathers from the pages only after they completed.
+            # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
+            # device-to-host copy into the pool still in flight must land before host reads.
             torch.cuda.current_stream(self.device).synchronize()
         num = torch.tensor([x.shape[1] for x in picks], dtype=torch.int32)
         out = gather_selected(self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, idx, num)
@@ -586,8 +697,8 @@ class OffloadEngine:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
         b, buf = self.block_size, self.pool.active
         if self.cuda:
-            # NOTE: copy-before-read: the commit's device-to-host copies into the CPU pool are
-            # asynchronous; the host reads the pages below only after they completed.
+            # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
+            # device-to-host copy into the pool still in flight must land before host reads.
             torch.cuda.current_stream(self.device).synchronize()
         outs = []
         for i, st in enumerate(self.batch.starts()):
@@ -630,7 +741,7 @@ class OffloadEngine:
             budgets,
             tail_lens=tails,
             output_mode=self.offload.output_mode,
-            num_threads=self.offload.selection_threads,
+            num_threads=self.selection_threads,
         )
         out = gather_selected(kp, vp, table, res.indices, res.num_selected)
         self._write_selected(buf, layer, out)
@@ -674,3 +785,14 @@ class _QueryRecorder:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.q[layer_id] = q
         return self.inner.forward(layer_id, q, k, v)
+
+
+def _selection_threads(requested: int | None) -> int:
+    """The CPU kernel's threads: ``requested``; else ``HERALD_SELECTION_THREADS``; else every
+    usable core but two, which stay free for the main stream's host work (kernel launches) and
+    the retrieval thread's own Python (see :attr:`OffloadConfig.selection_threads`)."""
+    if requested is not None:
+        return requested
+    if os.environ.get("HERALD_SELECTION_THREADS"):
+        return default_num_threads()
+    return max(1, default_num_threads() - 2)

@@ -60,6 +60,8 @@ class RetrievalJob:
     num_selected: list[int] = field(default_factory=list)
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     seconds: float = 0.0
+    t_start: float = 0.0  # host perf_counter when the worker began the job
+    t_end: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
     cuda_done: torch.cuda.Event | None = None
     error: BaseException | None = None
@@ -146,7 +148,7 @@ class RetrievalWorker:
             self._run(job)
 
     def _run(self, job: RetrievalJob) -> None:
-        t0 = time.perf_counter()
+        t0 = job.t_start = time.perf_counter()
         try:
             if self.cuda:
                 assert self.stream is not None
@@ -165,7 +167,8 @@ class RetrievalWorker:
                     self._select(job)
         except BaseException as e:  # surfaced to the main thread by RetrievalJob.wait
             job.error = e
-        job.seconds = time.perf_counter() - t0
+        job.t_end = time.perf_counter()
+        job.seconds = job.t_end - t0
         job.done.set()
 
     def _select(self, job: RetrievalJob) -> None:

@@ -67,6 +67,15 @@ class GpuSparseKVPool:
     def v(self, buffer: int, layer: int) -> torch.Tensor:
         return self._v[buffer][self._index[layer]]
 
+    def all_k(self, buffer: int) -> torch.Tensor:
+        """[num_pooled_layers, num_slots, Hkv, capacity, D] K of every pooled layer in ``buffer``
+        (pooled layers in :attr:`layers` order; a view, no copy)."""
+        return self._k[buffer]
+
+    def all_v(self, buffer: int) -> torch.Tensor:
+        """Like :meth:`all_k`, for V."""
+        return self._v[buffer]
+
     def store(self, buffer: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Per-model-layer K and V lists of ``buffer`` (None for layers not pooled)."""
         ks: list[torch.Tensor | None] = [None] * self.num_model_layers

@@ -231,6 +231,63 @@ def test_eos_and_continuous_admission_equal_dense():
         assert eng.cpu_pool.num_used_pages == 0
 
 
+def test_abort_mid_block_frees_pages_and_leaves_others_unchanged(setup):
+    """A request aborted mid-block decodes along until the boundary, is never returned, and its
+    pages are freed there; the others still equal dense; the pool ends empty."""
+    model, config, prompts, params, ref = setup
+    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    returned = []
+    for _ in range(3):  # into the first block: step 0, the fused draft step, step 2
+        returned += eng.step()
+    eng.abort(reqs[1])
+    used = eng.cpu_pool.num_used_pages
+    returned += eng.step()
+    assert eng.cpu_pool.num_used_pages == used  # still held mid-block
+    while eng.has_unfinished():
+        returned += eng.step()
+    eng.close()
+    assert reqs[1] not in returned
+    assert reqs[1].status.value == "finished_aborted"
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [ref[0], ref[2]]
+    assert eng.cpu_pool.num_used_pages == 0
+
+
+def test_abort_waiting_request_never_runs():
+    model, config = _model("tiny-sdar")
+    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=1, max_seq_len=256)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    a, b = (eng.add_request(p, params) for p in _prompts(config, [40, 50]))
+    eng.abort(b)
+    while eng.has_unfinished():
+        eng.step()
+    eng.close()
+    assert len(a.output_ids) == 32 and b.output_ids == [] and b.status.value == "finished_aborted"
+    assert eng.cpu_pool.num_used_pages == 0
+
+
+@pytest.mark.parametrize("mode", ["herald", "mage-cpu", "infinigen"])
+def test_random_prefill_decodes_and_times_blocks(mode):
+    """Benchmark prefill (random KV, no prompt forward) runs every mode to completion, with
+    per-block timings: the retrieval job of herald runs inside its block."""
+    model, config = _model("tiny-llada2")
+    cfg = OffloadConfig(**{**vars(MODES[mode]), "kv_budget": 0.2})
+    eng = OffloadEngine(
+        model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True
+    )
+    params = SamplingParams(max_new_tokens=64, num_denoise_steps=4, ignore_eos=True)
+    reqs = eng.generate(_prompts(config, [192, 256]), params)  # whole blocks
+    eng.close()
+    assert [len(r.output_ids) for r in reqs] == [64, 64]
+    assert eng.stats.num_prefill_tokens > 0 and eng.cpu_pool.num_used_pages == 0
+    blocks = eng.stats.blocks
+    assert len(blocks) == 2 and all(b.steps == 5 for b in blocks)  # 4 steps + commit
+    if mode == "herald":
+        for b in blocks:
+            assert b.retrieval_start is not None and b.retrieval_end is not None
+            assert 0 <= b.retrieval_start <= b.retrieval_end <= b.main + b.stall + 1e-3
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_equal_eager_with_retrieval_thread():
     """Piecewise graphs in the offload engine (captured while the retrieval thread runs) give
