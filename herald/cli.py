@@ -123,7 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="CPU selection kernel output mode",
     )
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the dense engine")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (dense or an offloading mode)")
     s.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -142,6 +142,23 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
+    s.add_argument(
+        "--mode",
+        default="dense",
+        choices=["dense", "herald", "mage", "infinigen"],
+        help="the one engine this server runs (requests asking for another mode get a 400)",
+    )
+    s.add_argument(
+        "--kv-budget", type=float, default=None, help="offloading modes: fraction of prefix kept"
+    )
+    s.add_argument("--cpu-kv-gb", type=float, default=None, help="CPU KV pool size in GiB")
+    s.add_argument("--cpu-kv-tokens", type=int, default=None, help="CPU KV pool size in tokens")
+    s.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens admitted per block boundary (one longer prompt goes alone)",
+    )
 
     r = sub.add_parser(
         "init-random", help="write a random-weight checkpoint (HF format) for a preset"
@@ -301,11 +318,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
-    dtype = args.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    offload = None
+    if args.mode == "dense":
+        if (args.kv_budget, args.cpu_kv_gb, args.cpu_kv_tokens) != (None, None, None):
+            raise ValueError(
+                "--kv-budget, --cpu-kv-gb and --cpu-kv-tokens need an offloading --mode"
+            )
+    else:
+        from herald.config import OffloadConfig
+
+        chosen = dict(
+            kv_budget=args.kv_budget, cpu_kv_gb=args.cpu_kv_gb, cpu_kv_tokens=args.cpu_kv_tokens
+        )
+        offload = OffloadConfig.for_mode(
+            args.mode, **{k: v for k, v in chosen.items() if v is not None}
+        )
+    dtype = args.dtype or (
+        torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
+    )
     app = build_app(
         args.model,
         device=device,
         dtype=dtype,
+        mode=args.mode,
+        offload=offload,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_waiting=args.max_waiting,

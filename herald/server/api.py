@@ -4,9 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 need ``Authorization: Bearer <key>`` when the server has an API key), ``GET /health`` and
 ``GET /metrics`` (always open). Streaming responses are Server-Sent Events with one chunk per
 completed block, then ``data: [DONE]``. Errors use the OpenAI shape
-(:func:`herald.server.protocol.error_response`): 400 bad input, 401 bad key, 404 unknown model,
-503 waiting queue full, 500 an internal error in this request only. A client that disconnects
-has its request aborted, which frees its engine slot at the next step boundary.
+(:func:`herald.server.protocol.error_response`): 400 bad input (including a ``mode`` or
+``budget`` other than the server's, and a request too large for the context or the CPU KV pool
+ever to run), 401 bad key, 404 unknown model, 503 waiting queue full (or the engine dead), 500 an
+internal error in this request only. A client that disconnects has its request aborted, which
+frees its engine slot and KV at the next block boundary.
 """
 
 from __future__ import annotations
@@ -26,16 +28,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from herald.engine.request import new_request
-from herald.server.engine_loop import EngineLoop, Handle, QueueFullError
+from herald.server.chat import ChatTemplate, ChatTemplateError
+from herald.server.engine_loop import EngineDeadError, EngineLoop, Handle, QueueFullError
 from herald.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from herald.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     _Common,
-    chat_prompt,
     error_response,
     validation_message,
+)
+from herald.server.served_engine import (
+    RequestTooLarge,
+    budget_matches,
+    check_fits,
+    kv_budget,
+    pool_usage,
 )
 from herald.server.text import TextStream
 from herald.tokenizer import Tokenizer
@@ -46,17 +54,33 @@ DEFAULT_MAX_TOKENS = 16
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine loop, tokenizer, served model name and settings."""
+    """What the routes share: the engine loop, tokenizer, served model name and settings.
+
+    ``mode`` is the engine's (dense, herald, mage or infinigen), fixed at launch."""
 
     engine_loop: EngineLoop
     tokenizer: Tokenizer
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
+    mode: str = "dense"
+    chat_template: ChatTemplate | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat_template is None:
+            self.chat_template = ChatTemplate.for_model(self.model_name, self.tokenizer)
 
     @property
     def max_context(self) -> int:
         return self.engine_loop.engine.max_seq_len
+
+    @property
+    def kv_budget(self) -> float:
+        return kv_budget(self.engine_loop.engine)
+
+
+class _Rejected(Exception):
+    """The engine refused a request (HTTP 400)."""
 
 
 class _Failed(Exception):
@@ -105,6 +129,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         state.metrics.running.set(state.engine_loop.num_running)
         state.metrics.waiting.set(state.engine_loop.num_waiting)
+        state.metrics.set_pools(pool_usage(state.engine_loop.engine))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
@@ -115,6 +140,11 @@ def create_app(state: ServerState) -> FastAPI:
             "created": 0,
             "owned_by": "herald",
             "max_model_len": state.max_context,
+            "herald": {
+                "mode": state.mode,
+                "kv_budget": state.kv_budget,
+                "block_size": state.engine_loop.engine.config.block_size,
+            },
         }
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -124,7 +154,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _serve(state, request, body, chat_prompt(body.messages), chat=True)
+        assert state.chat_template is not None
+        try:
+            prompt = state.chat_template.render([m.as_dict() for m in body.messages])
+        except ChatTemplateError as e:
+            return error_response(400, str(e), param="messages")
+        return await _serve(state, request, body, prompt, chat=True)
 
     return app
 
@@ -138,6 +173,17 @@ async def _serve(
             404, f"model {body.model!r} is not served here (try {state.model_name!r})",
             param="model", code="model_not_found",
         )  # fmt: skip
+    if body.mode is not None and body.mode != state.mode:
+        return error_response(
+            400, f"this server runs mode {state.mode!r}, not {body.mode!r}: one engine per "
+            f"server, chosen at launch (herald serve --mode {body.mode})", param="mode",
+        )  # fmt: skip
+    if body.budget is not None and not budget_matches(state.engine_loop.engine, body.budget):
+        return error_response(
+            400, f"this server runs kv budget {state.kv_budget} (mode {state.mode!r}), not "
+            f"{body.budget}: the budget is fixed at launch (herald serve --kv-budget)",
+            param="budget",
+        )  # fmt: skip
     ids = state.tokenizer.encode(prompt)
     if not ids:
         return error_response(400, "the prompt is empty", param="prompt")
@@ -149,14 +195,13 @@ async def _serve(
         )  # fmt: skip
     max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, ctx - len(ids))
     params = body.sampling_params(max_tokens)
-    engine = state.engine_loop.engine
     try:
-        new_request(ids, params, engine.config.block_size, ctx, engine.config.vocab_size)
-    except ValueError as e:
-        return error_response(400, str(e), param="max_tokens", code="context_length_exceeded")
+        check_fits(state.engine_loop.engine, ids, params)
+    except RequestTooLarge as e:
+        return error_response(400, str(e), param=e.param, code=e.code)
     try:
         handle = state.engine_loop.submit(ids, params, asyncio.get_running_loop())
-    except QueueFullError as e:
+    except (QueueFullError, EngineDeadError) as e:
         state.metrics.requests.labels("rejected").inc()
         return error_response(503, str(e))
     meta = {
@@ -173,6 +218,9 @@ async def _serve(
         finish = "length"
         async for _ids, _delta, reason in _events(state, handle, stream, request):
             finish = reason or finish
+    except _Rejected as e:
+        state.metrics.requests.labels("rejected").inc()
+        return error_response(400, str(e))
     except _Failed as e:
         state.metrics.requests.labels("error").inc()
         return error_response(500, f"internal error in this request: {e}")
@@ -198,7 +246,8 @@ async def _events(
     """Yield (block ids, text delta, finish reason or None) until the request ends.
 
     Aborts the engine request when the consumer stops early (disconnect, cancellation, stop
-    string). Raises :class:`_Failed` when the engine reported an error for this request.
+    string). Raises :class:`_Failed` when the engine reported an error for this request and
+    :class:`_Rejected` when it refused it.
     """
     done = False
     checked = time.monotonic()
@@ -218,6 +267,9 @@ async def _events(
             if kind == "error":
                 done = True
                 raise _Failed(f"{type(val).__name__}: {val}")
+            if kind == "rejected":
+                done = True
+                raise _Rejected(str(val))
             if kind == "done":
                 done = True
                 yield [], stream.finish(), str(val)
@@ -254,9 +306,11 @@ async def _sse(
             first = False
             yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
         state.metrics.requests.labels("ok").inc()
-    except _Failed as e:
-        state.metrics.requests.labels("error").inc()
-        err = {"error": {"message": f"internal error in this request: {e}", "type": "server_error",
-                         "param": None, "code": None}}  # fmt: skip
+    except (_Failed, _Rejected) as e:
+        failed = isinstance(e, _Failed)
+        state.metrics.requests.labels("error" if failed else "rejected").inc()
+        msg = f"internal error in this request: {e}" if failed else str(e)
+        kind = "server_error" if failed else "invalid_request_error"
+        err = {"error": {"message": msg, "type": kind, "param": None, "code": None}}
         yield f"data: {json.dumps(err)}\n\n"
     yield "data: [DONE]\n\n"

@@ -3,8 +3,10 @@
 Validation lives here so that every bad field becomes a 400 with
 ``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored. Herald's
 extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps`` (fixed-steps
-mode: denoising steps per block) and ``mode`` (only ``"dense"`` for now). ``temperature``
-defaults to 0 (greedy, deterministic).
+mode: denoising steps per block), ``mode`` (one of :data:`MODES`; the server runs one, chosen at
+launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in (0, 1]: the
+fraction of the prefix each block attends to; fixed at launch, so it must equal the server's).
+``temperature`` defaults to 0 (greedy, deterministic).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from herald.config import SamplingParams
+from herald.server.served_engine import MODES
 
 
 def error_response(
@@ -47,14 +50,16 @@ class _Common(BaseModel):
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
     steps: int | None = Field(default=None, gt=0)
     mode: str | None = None
+    budget: float | None = Field(
+        default=None, gt=0.0, le=1.0, allow_inf_nan=False,
+        validation_alias=AliasChoices("budget", "kv_budget"),
+    )  # fmt: skip
 
     @field_validator("mode")
     @classmethod
     def _mode(cls, v: str | None) -> str | None:
-        if v is not None and v != "dense":
-            known = ("herald", "mage", "infinigen")
-            why = "not served yet (dense only)" if v in known else "unknown"
-            raise ValueError(f"mode {v!r} is {why}; this server decodes with mode 'dense'")
+        if v is not None and v not in MODES:
+            raise ValueError(f"unknown mode {v!r}; the modes are {', '.join(MODES)}")
         return v
 
     @field_validator("n")
@@ -94,27 +99,44 @@ class CompletionRequest(_Common):
     prompt: str = Field(min_length=1)
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str = Field(min_length=1)
-    content: str
+    content: str | list[ContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported (text only)"
+                    )
+        return v
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"role", "content"}`` with text parts joined, as chat templates expect."""
+        parts = self.content
+        text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
+        return {"role": self.role, "content": text}
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``: at least one message."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The prompt text of a conversation.
-
-    herald's tokenizers carry no chat template yet, so this is a plain join: one
-    ``"role: content"`` line per message, then ``"assistant:"`` to cue the reply.
-    """
-    lines = [f"{m.role}: {m.content}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:

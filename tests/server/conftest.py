@@ -47,8 +47,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(**kwargs: object) -> LiveServer:
-    app = build_app(MODEL, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ_LEN, **kwargs)  # type: ignore[arg-type]
+def start_server(dtype: torch.dtype = torch.float32, **kwargs: object) -> LiveServer:
+    app = build_app(MODEL, device="cpu", dtype=dtype, max_seq_len=MAX_SEQ_LEN, **kwargs)  # type: ignore[arg-type]
     port = _free_port()
     cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(cfg)

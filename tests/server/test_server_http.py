@@ -175,6 +175,8 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             ({"prompt": "hi", "stop": [""]}, 400, "stop"),
             ({"prompt": "hi", "mode": "warp"}, 400, "mode"),
             ({"prompt": "hi", "mode": "herald"}, 400, "mode"),
+            ({"prompt": "hi", "budget": 0.05}, 400, "budget"),
+            ({"prompt": "hi", "budget": 0}, 400, "budget"),
             ({"prompt": ["a", "b"]}, 400, "prompt"),
             ({"prompt": "hi", "model": "nope"}, 404, "model"),
             ('{"prompt": "hi", ', 400, None),
@@ -194,10 +196,20 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
                 assert err["param"] == param, (body, err)
         r = c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        r = c.post("/v1/chat/completions", json={"messages": image})
+        assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
         # Unknown fields are ignored.
         r = c.post(
             "/v1/completions",
-            json={"prompt": "hi", "max_tokens": 8, "steps": 1, "x": 1, "mode": "dense"},
+            json={
+                "prompt": "hi",
+                "max_tokens": 8,
+                "steps": 1,
+                "x": 1,
+                "mode": "dense",
+                "budget": 1.0,
+            },  # fmt: skip
         )
         assert r.status_code == 200, r.text
         t.join(timeout=60)
@@ -315,6 +327,11 @@ def test_metrics_and_health(server: LiveServer) -> None:
         "herald_generated_tokens_total",
         "herald_generation_tokens_per_second",
         "herald_engine_step_seconds_count",
+        "herald_batch_size",
+        "herald_gpu_kv_slots_used",
+        "herald_gpu_kv_slots_total",
+        "herald_gpu_kv_bytes",
+        "herald_cpu_kv_pool_pages_used",
     ):
         assert name in text
     line = next(ln for ln in text.splitlines() if ln.startswith("herald_generated_tokens_total"))
