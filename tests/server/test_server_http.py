@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import API_KEY, MAX_SEQ_LEN, MODEL, LiveServer, Offline
 
+from herald.cli import main as cli_main
 from herald.config import SamplingParams
 
 TIMEOUT = httpx.Timeout(60.0)
@@ -79,6 +80,25 @@ def test_concurrent_clients_match_offline(server: LiveServer, offline: Offline) 
         assert choice["finish_reason"] in ("stop", "length")
         assert r.json()["usage"]["completion_tokens"] == len(want)
     _wait(lambda: _idle(server))
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--temperature", "0.8", "--top-p", "0.9"]], ids=["greedy", "sampled"]
+)
+def test_matches_the_real_herald_generate_command(
+    server: LiveServer, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    prompt, n, steps = "the cli and the server agree", 48, 3
+    argv = ["generate", "--device", "cpu", "--prompt", prompt, "--max-new-tokens", str(n)]
+    assert cli_main([*argv, "--steps", str(steps), "--quiet", *extra]) == 0
+    want = capsys.readouterr().out[:-1]  # the completion, then print's newline
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "steps": steps}
+    if extra:
+        body.update(temperature=0.8, top_p=0.9, seed=0)  # the CLI samples with --seed (0)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
 
 
 def test_streaming_joins_to_the_same_text(server: LiveServer) -> None:
