@@ -228,6 +228,12 @@ class EngineLoop:
                 return
             if isinstance(eng, OffloadEngine):
                 h.pages = cpu_pages_needed(eng, len(h.prompt_ids), h.params.max_new_tokens)
+                if h.pages > eng.cpu_pool.num_pages:  # never (checked up front too): no blocking
+                    self._pending.popleft()
+                    h._push(
+                        ("rejected", ValueError(f"needs {h.pages} CPU KV pages, pool has fewer"))
+                    )
+                    continue
                 if h.pages > pages:  # not now: the head waits for pages to come back
                     return
                 pages -= h.pages

@@ -131,3 +131,20 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
         asyncio.run(go())
     finally:
         loop.stop()
+
+
+def test_a_request_larger_than_the_cpu_pool_never_blocks_the_queue(tiny, aloop) -> None:
+    model, config, _ = tiny
+    cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, cpu_kv_tokens=8 * 32)
+    engine = OffloadEngine(model, config, cfg, max_batch_size=4, max_seq_len=512)
+    try:
+        loop = EngineLoop(engine)
+        big = loop.submit([7] * 10, SamplingParams(max_new_tokens=300), aloop)  # 11 pages
+        (small,) = _submit(loop, aloop, [10])
+        loop._feed()
+        assert big.request is None and _handed(small)
+        aloop.run_until_complete(asyncio.sleep(0))  # deliver the pushed items
+        kind, _ = big.queue.get_nowait()
+        assert kind == "rejected"
+    finally:
+        engine.close()
