@@ -169,6 +169,9 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
     for p in (g, s, r):
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    from herald.bench import throughput
+
+    throughput.register(sub)  # herald bench throughput (sets args.handler)
     return parser
 
 
@@ -371,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "init-random": cmd_init_random}
     try:
-        return handlers[args.command](args)
+        return (getattr(args, "handler", None) or handlers[args.command])(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
