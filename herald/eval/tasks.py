@@ -1,0 +1,559 @@
+"""Long-context examples built at run time from the standard library (issue 6, part 3).
+
+Two tasks, both deterministic for a seed and a tokenizer:
+
+``line`` (RepoBench-P style next-line completion)
+    Pick a package (``email/``, ``asyncio/``, ...), a file of it and a target line. The prompt is
+    the package's other files, each under a ``# file: path`` header, ordered least to most related
+    (the files the target imports sit last, next to it), then the target file's own header and
+    its prefix up to the target line. The cross-file part is truncated from the LEFT so that the
+    prompt is ``context`` tokens; the in-file prefix is always kept (capped at ``infile_tokens``
+    tokens, itself truncated from the left when longer). Target lines are single-line statements
+    of 10-160 characters that are not comments, docstrings or imports and do not already occur in
+    the file above; lines that use a name imported from another file of the package are preferred
+    (tier 2), then lines using a name defined at top level in another file (tier 1), then any
+    (tier 0). The line choice does not depend on ``context``: the same targets are asked at every
+    context length (paired), only the amount of cross-file context changes.
+
+``recall`` (long-range identifier recall)
+    In one file, an identifier defined (``def``/``class``, a module- or class-level assignment, or
+    ``self.<name> = ...``) at least ``min_distance`` tokens before a later use. The prompt ends just
+    before that use (trailing spaces dropped); the identifier must not occur anywhere in the last
+    ``control_tokens`` tokens of the prompt (so the no-context control cannot copy it), must not
+    be a keyword, builtin or common name, and the use must not start a statement or be an
+    assignment target. The definition lies inside the prompt (distance <= context - margin), so
+    the example set depends on ``context``; the rest of the prompt is filled, on the left, with
+    related files (package siblings, or the modules a top-level file imports).
+
+Every example's ``meta`` records the files (path, sha256), line numbers and choices.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import hashlib
+import io
+import json
+import keyword
+import random
+import re
+import tokenize
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+
+from herald.eval.sources import Corpus, SourceFile, TextCodec
+
+TASKS = ("line", "recall")
+
+COMMON_NAMES = frozenset(
+    """self cls args kwargs name value values key keys data result results path obj func text
+    line lines msg item items node nodes size index start stop end count type kind mode other
+    parent child first last left right base info error errors flags file files options default
+    state source target buffer body head tail list dict call close read write open send recv get
+    set put pop append extend update remove clear copy format parse join split strip match group
+    length level token tokens entry field fields config context test tests main run""".split()  # noqa: SIM905
+)
+"""Names too generic to test recall (any file has them); also excluded: keywords, builtins."""
+
+_TOP_LEVEL = re.compile(
+    r"^(?:async[ \t]+)?def[ \t]+(\w+)|^class[ \t]+(\w+)|^(\w+)[ \t]*(?::[^=\n]*)?=(?!=)",
+    re.MULTILINE,
+)
+_WORD = re.compile(r"\w+")
+"""A maximal run of word characters: an identifier matches ``\\bname\\b`` exactly when it is
+one such run."""
+
+
+@dataclass
+class Example:
+    """One prompt and its reference answer.
+
+    ``prompt_ids``: token ids (``len <= context``); ``target``: the expected line (``line``) or
+    identifier (``recall``); ``meta``: the recorded selection (files, sha256, lines, choices).
+    """
+
+    example_id: str
+    task: str
+    context: int
+    prompt_ids: list[int]
+    target: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Knobs of the builders; part of every result's recorded config."""
+
+    seed: int = 0
+    control_tokens: int = 512
+    """The no-context control sees the last this-many prompt tokens."""
+    infile_tokens: int = 1024
+    """line: the in-file prefix is capped at this many tokens (at most context // 2)."""
+    min_distance: int = 2000
+    """recall: tokens between the definition line and the use, at least."""
+    distance_margin: int = 64
+    """recall: the definition sits at least this many tokens inside the prompt's left edge."""
+    min_package_chars: int = 60_000
+    """line: packages with fewer characters of eligible source are skipped (too little context
+    for 16K tokens)."""
+
+
+def selection_hash(examples: list[Example]) -> str:
+    """sha256 over (id, prompt ids, target) of every example: equal hashes = same prompts."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(ex.example_id.encode())
+        h.update(json.dumps(ex.prompt_ids).encode())
+        h.update(ex.target.encode())
+    return h.hexdigest()
+
+
+def build_examples(
+    task: str,
+    corpus: Corpus,
+    codec: TextCodec,
+    context: int,
+    num_examples: int,
+    cfg: TaskConfig = TaskConfig(),  # noqa: B008 (frozen, never mutated)
+) -> list[Example]:
+    """Build ``num_examples`` examples of ``task`` whose prompts hold at most ``context`` tokens.
+
+    ``corpus.codec`` must be ``codec``. Deterministic for (corpus files, tokenizer, ``cfg``).
+    May return fewer examples than asked when the corpus has no more eligible ones.
+
+    Raises:
+        ValueError: unknown task, or ``context`` not above ``cfg.control_tokens`` /
+            ``cfg.min_distance + cfg.distance_margin`` (recall).
+    """
+    if task == "line":
+        return _build_line(corpus, codec, context, num_examples, cfg)
+    if task == "recall":
+        return _build_recall(corpus, codec, context, num_examples, cfg)
+    raise ValueError(f"unknown task {task!r}; one of {TASKS}")
+
+
+# -- shared ---------------------------------------------------------------------------------------
+def _encode_tail(codec: TextCodec, text: str, n: int, ratio: float) -> tuple[list[int], bool]:
+    """The last ``n`` tokens of ``text`` (fewer if it is shorter) and whether any was dropped.
+
+    Encodes only a generous tail of the text, from a line start, when that yields well over
+    ``n`` tokens (``ratio``: characters per token). Byte-level BPE pre-tokenizers split at
+    whitespace, so only the tail's first line can tokenize differently from the whole text; the
+    last ``n`` tokens are the whole text's."""
+    start = max(0, len(text) - int((n + 64) * ratio * 1.5))
+    if start > 0:
+        start = text.find("\n", start) + 1
+    ids = codec.encode(text[start:])
+    if start > 0 and len(ids) < n + 32:
+        ids = codec.encode(text)
+        start = 0
+    return ids[-n:], start > 0 or len(ids) > n
+
+
+def _mentions(codec: TextCodec, ids: list[int], name: str) -> bool:
+    """Whether the decoded ``ids`` hold ``name`` as a whole word."""
+    return name in {m.group(0) for m in _WORD.finditer(codec.decode(ids))}
+
+
+def _fill_left(corpus: Corpus, others: list[str], budget: int) -> tuple[list[int], list[dict]]:
+    """Chunks of ``others`` (least to most related) filling ``budget`` tokens from the right:
+    the most related chunk is last; the leftmost chunk used may be cut (its left part dropped)."""
+    pieces: list[list[int]] = []
+    used: list[dict] = []
+    total = 0
+    for rel in reversed(others):
+        if total >= budget:
+            break
+        ids = corpus.chunk_ids(rel)
+        if not ids:
+            continue
+        f = corpus.read(rel)
+        assert f is not None
+        take = min(len(ids), budget - total)
+        pieces.append(ids[len(ids) - take :])
+        used.append({"file": rel, "sha256": f.sha256, "truncated": take < len(ids)})
+        total += take
+    pieces.reverse()
+    used.reverse()
+    return [t for p in pieces for t in p], used
+
+
+def _module_names(f: SourceFile) -> set[str]:
+    """Names bound at module level (``def``, ``class``, ``name =`` at column 0; a line scan)."""
+    return {next(g for g in m.groups() if g) for m in _TOP_LEVEL.finditer(f.text)}
+
+
+def _tokens(f: SourceFile) -> list[tokenize.TokenInfo] | None:
+    try:
+        return list(tokenize.generate_tokens(io.StringIO(f.text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+
+
+_SKIP = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+
+
+# -- line completion ------------------------------------------------------------------------------
+def _imported_package_names(corpus: Corpus, f: SourceFile) -> set[str]:
+    """Names ``f`` binds by importing from other files of its own package."""
+    out: set[str] = set()
+    if f.tree is None or not f.package:
+        return out
+    pkg_parts = f.module.split(".")
+    if not f.rel.endswith("__init__.py"):
+        pkg_parts = pkg_parts[:-1]
+    for node in ast.walk(f.tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != f.package:
+                continue
+            out.update((a.asname or a.name) for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == f.package:
+                    out.add(a.asname or a.name.split(".")[0])
+    return out
+
+
+def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[tuple[int, int]]:
+    """Eligible target lines of ``f``: ``(row, tier)``, row 1-based (see the module docstring)."""
+    toks = _tokens(f)
+    if toks is None:
+        return []
+    out: list[tuple[int, int]] = []
+    first_row: dict[str, int] = {}  # stripped text -> first line holding it
+    for i, line in enumerate(f.lines, 1):
+        first_row.setdefault(line.strip(), i)
+    logical: list[tokenize.TokenInfo] = []
+    for tok in toks:
+        if tok.type in _SKIP or tok.type == tokenize.ENCODING:
+            continue
+        if tok.type not in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            logical.append(tok)
+            continue
+        stmt, logical = logical, []
+        if not stmt:
+            continue
+        row = stmt[0].start[0]
+        if any(t.start[0] != row or t.end[0] != row for t in stmt):
+            continue  # spans several physical lines
+        if stmt[0].type == tokenize.STRING or stmt[0].string in ("import", "from", "@"):
+            continue
+        text = f.lines[row - 1].strip()
+        names = {t.string for t in stmt if t.type == tokenize.NAME}
+        words = {n for n in names if not keyword.iskeyword(n)}
+        ok = 10 <= len(text) <= 160 and not text.startswith("#") and row >= 5 and words
+        if ok and first_row[text] == row:  # not a repeat of a line above
+            tier = 2 if words & cross else 1 if words & package else 0
+            out.append((row, tier))
+    return out
+
+
+def _line_prompt(
+    corpus: Corpus, codec: TextCodec, f: SourceFile, row: int, context: int, cfg: TaskConfig
+) -> tuple[list[int], dict[str, Any]]:
+    cap = max(1, min(cfg.infile_tokens, context // 2))
+    text = f"# file: {f.rel}\n" + "".join(f.lines[: row - 1])
+    ratio = len(f.chunk()) / max(1, len(corpus.chunk_ids(f.rel)))  # characters per token
+    infile, truncated = _encode_tail(codec, text, cap, ratio)
+    others = [r for r in corpus.packages[f.package] if r != f.rel]
+    ctx, used = _fill_left(corpus, corpus.related_order(f.rel, others), context - len(infile))
+    meta = {
+        "infile_tokens": len(infile),
+        "infile_truncated": truncated,
+        "context_files": used,
+    }
+    return ctx + infile, meta
+
+
+def _build_line(
+    corpus: Corpus, codec: TextCodec, context: int, n: int, cfg: TaskConfig
+) -> list[Example]:
+    if context <= cfg.control_tokens:
+        raise ValueError(f"context {context} must exceed control_tokens {cfg.control_tokens}")
+    rng = random.Random(f"line:{cfg.seed}")
+    pkgs = []
+    for name, files in sorted(corpus.packages.items()):
+        chars = sum(len(f.text) for r in files if (f := corpus.read(r)) is not None)
+        if len(files) >= 3 and chars >= cfg.min_package_chars:
+            pkgs.append(name)
+    rng.shuffle(pkgs)
+    if not pkgs:
+        return []
+    names_cache: dict[str, set[str]] = {}
+    chosen: set[tuple[str, int]] = set()
+    examples: list[Example] = []
+    misses = 0
+    i = 0
+    while len(examples) < n and misses < 4 * len(pkgs):
+        pkg = pkgs[i % len(pkgs)]
+        i += 1
+        files = corpus.packages[pkg]
+        best: tuple[int, SourceFile, list[int]] | None = None
+        for _ in range(4):  # a few files; keep the one with the best tier
+            f = corpus.read(rng.choice(files))
+            if f is None or f.tree is None:
+                continue
+            package_names: set[str] = set()
+            for r in files:
+                if r != f.rel:
+                    if r not in names_cache:
+                        other = corpus.read(r)
+                        names_cache[r] = _module_names(other) if other is not None else set()
+                    package_names |= names_cache[r]
+            cands = line_candidates(f, _imported_package_names(corpus, f), package_names)
+            cands = [(row, t) for row, t in cands if (f.rel, row) not in chosen]
+            if not cands:
+                continue
+            tier = max(t for _, t in cands)
+            if best is None or tier > best[0]:
+                best = (tier, f, [row for row, t in cands if t == tier])
+            if tier == 2:
+                break
+        if best is None:
+            misses += 1
+            continue
+        tier, f, rows = best
+        row = rng.choice(rows)
+        chosen.add((f.rel, row))
+        ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
+        target = f.lines[row - 1].rstrip("\r\n")
+        meta = {
+            "package": pkg,
+            "file": f.rel,
+            "sha256": f.sha256,
+            "line": row,
+            "tier": tier,
+            "prompt_tokens": len(ids),
+            **meta,
+        }
+        examples.append(
+            Example(f"line-{context}-{len(examples):03d}", "line", context, ids, target, meta)
+        )
+    return examples
+
+
+# -- long-range recall ----------------------------------------------------------------------------
+def _definitions(f: SourceFile) -> dict[str, tuple[int, str]]:
+    """name -> (first definition line, kind) for def/class (any depth), module- and class-level
+    assignments and ``self.<name> = ...``."""
+    out: dict[str, tuple[int, str]] = {}
+    if f.tree is None:
+        return out
+
+    def add(name: str, line: int, kind: str) -> None:
+        if name not in out or line < out[name][0]:
+            out[name] = (line, kind)
+
+    def assigned(node: ast.stmt) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        if isinstance(node, ast.AnnAssign):
+            return [node.target]
+        return []
+
+    bodies: list[list[ast.stmt]] = [f.tree.body]
+    for node in ast.walk(f.tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            add(node.name, node.lineno, "def")
+        elif isinstance(node, ast.ClassDef):
+            add(node.name, node.lineno, "class")
+            bodies.append(node.body)
+        if not isinstance(node, ast.stmt):
+            continue
+        for t in assigned(node):
+            for sub in ast.walk(t):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                ):
+                    add(sub.attr, node.lineno, "attribute")
+    for body in bodies:
+        for node in body:
+            for t in assigned(node):
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Name):
+                        add(sub.id, node.lineno, "assignment")
+    return out
+
+
+def eligible_identifier(name: str) -> bool:
+    """Long enough, not a keyword, builtin, dunder or common name."""
+    return (
+        len(name) >= 4
+        and not keyword.iskeyword(name)
+        and not hasattr(builtins, name)
+        and name not in COMMON_NAMES
+        and not (name.startswith("__") and name.endswith("__"))
+    )
+
+
+@dataclass(frozen=True)
+class RecallUse:
+    """A use of ``name`` at ``offset`` (characters; line ``row``, column ``col``) defined at line
+    ``def_line``."""
+
+    name: str
+    kind: str
+    def_line: int
+    row: int
+    col: int
+    offset: int
+
+
+def recall_candidates(
+    f: SourceFile, min_chars: int, max_chars: int, gap_chars: int
+) -> list[RecallUse]:
+    """Uses of eligible identifiers ``min_chars`` to ``max_chars`` after their definition line
+    whose previous occurrence ends at least ``gap_chars`` before them (a character-level
+    prefilter of the token-level constraints)."""
+    defs = {n: d for n, d in _definitions(f).items() if eligible_identifier(n)}
+    toks = _tokens(f)
+    if not defs or toks is None:
+        return []
+    occurrences: dict[str, list[int]] = {}  # name -> end offsets of its whole-word matches
+    for m in _WORD.finditer(f.text):
+        if m.group(0) in defs:
+            occurrences.setdefault(m.group(0), []).append(m.end())
+    out: list[RecallUse] = []
+    sig = [t for t in toks if t.type not in _SKIP or t.type in (tokenize.INDENT, tokenize.DEDENT)]
+    stmt_first = ""
+    for j, tok in enumerate(sig):
+        prev = sig[j - 1] if j else None
+        if prev is None or prev.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            stmt_first = tok.string
+        if tok.type != tokenize.NAME or tok.string not in defs:
+            continue
+        name = tok.string
+        def_line, kind = defs[name]
+        row, col = tok.start
+        if row <= def_line or prev is None:
+            continue
+        if prev.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            continue  # starts a statement: too open-ended
+        if prev.string in ("def", "class", "import", "from", "as", "global", "nonlocal", "del"):
+            continue
+        if stmt_first in ("import", "from"):
+            continue
+        nxt = sig[j + 1] if j + 1 < len(sig) else None
+        if nxt is not None and nxt.string in ("=", ":=") and nxt.type == tokenize.OP:
+            continue  # an assignment target
+        offset = f.line_offsets[row - 1] + col
+        if not min_chars <= offset - f.line_offsets[def_line - 1] <= max_chars:
+            continue
+        ends = occurrences[name]
+        k = bisect_left(ends, offset + 1) - 1  # last occurrence ending at or before offset
+        if k >= 0 and offset - ends[k] < gap_chars:
+            continue
+        out.append(RecallUse(name, kind, def_line, row, col, offset))
+    return out
+
+
+def _recall_prompt(
+    corpus: Corpus,
+    codec: TextCodec,
+    f: SourceFile,
+    use: RecallUse,
+    context: int,
+    cfg: TaskConfig,
+    ratio: float,
+) -> tuple[list[int], dict[str, Any]] | None:
+    """The prompt for ``use`` or None if an exact (token-level) constraint fails."""
+    prefix = f.text[: use.offset].rstrip(" \t")
+    near = codec.encode(prefix[f.line_offsets[use.def_line - 1] :])  # definition line .. use
+    distance = len(near)
+    if not cfg.min_distance <= distance <= context - cfg.distance_margin:
+        return None
+    # The control window (last control_tokens) lies inside ``near`` (min_distance >=
+    # control_tokens); checked again on the final prompt below.
+    if _mentions(codec, near[-cfg.control_tokens :], use.name):
+        return None
+    infile, truncated = _encode_tail(codec, f"# file: {f.rel}\n" + prefix, context, ratio)
+    if _mentions(codec, infile[-cfg.control_tokens :], use.name):
+        return None
+    if f.package:
+        others = [r for r in corpus.packages.get(f.package, []) if r != f.rel]
+    else:
+        others = corpus.imports(f.rel)
+    ctx, used = _fill_left(corpus, corpus.related_order(f.rel, others), context - len(infile))
+    ids = ctx + infile
+    meta = {
+        "file": f.rel,
+        "sha256": f.sha256,
+        "identifier": use.name,
+        "kind": use.kind,
+        "def_line": use.def_line,
+        "line": use.row,
+        "col": use.col,
+        "distance_tokens": distance,
+        "prompt_tokens": len(ids),
+        "infile_tokens": len(infile),
+        "infile_truncated": truncated,
+        "context_files": used,
+    }
+    return ids, meta
+
+
+def _build_recall(
+    corpus: Corpus, codec: TextCodec, context: int, n: int, cfg: TaskConfig
+) -> list[Example]:
+    if cfg.min_distance < cfg.control_tokens:
+        raise ValueError(
+            f"min_distance ({cfg.min_distance}) must be >= control_tokens ({cfg.control_tokens})"
+        )
+    if context < cfg.min_distance + cfg.distance_margin or context <= cfg.control_tokens:
+        raise ValueError(
+            f"recall needs context >= min_distance + distance_margin "
+            f"({cfg.min_distance} + {cfg.distance_margin}) and > control_tokens "
+            f"({cfg.control_tokens}), got {context}"
+        )
+    rng = random.Random(f"recall:{cfg.seed}:{context}")
+    files = list(corpus.rel_paths)
+    rng.shuffle(files)
+    cands: dict[str, list[RecallUse]] = {}
+    ratios: dict[str, float] = {}  # characters per token of each file
+    used: set[tuple[str, str]] = set()
+    examples: list[Example] = []
+    while len(examples) < n:
+        progress = False
+        for rel in files:
+            if len(examples) >= n:
+                break
+            f = corpus.read(rel)
+            if f is None:
+                continue
+            if rel not in cands and len(f.text) < cfg.min_distance:
+                cands[rel] = []  # a token is at least one character: too short to qualify
+            if rel not in cands:
+                sample = f.text[:8192]  # characters per token, estimated on the file's start
+                ratio = ratios[rel] = len(sample) / max(1, len(codec.encode(sample)))
+                found = recall_candidates(
+                    f,
+                    int(0.8 * cfg.min_distance * ratio),
+                    int(1.25 * (context - cfg.distance_margin) * ratio),
+                    int(0.7 * cfg.control_tokens * ratio),
+                )
+                rng.shuffle(found)
+                cands[rel] = found
+            pool = [u for u in cands[rel] if (rel, u.name) not in used]
+            for use in pool[:8]:
+                built = _recall_prompt(corpus, codec, f, use, context, cfg, ratios[rel])
+                cands[rel].remove(use)
+                if built is None:
+                    continue
+                ids_, meta = built
+                used.add((rel, use.name))
+                eid = f"recall-{context}-{len(examples):03d}"
+                examples.append(Example(eid, "recall", context, ids_, use.name, meta))
+                progress = True
+                break
+        if not progress:
+            break
+    return examples

@@ -1,0 +1,122 @@
+"""Task builders: deterministic, real targets, the recall constraints, left truncation.
+
+The byte-level fallback tokenizer maps byte b to id b, so ``bytes(ids)`` is the exact text."""
+
+from __future__ import annotations
+
+import builtins
+import keyword
+import re
+
+import pytest
+from conftest import SMALL
+
+from herald.eval.sources import Corpus
+from herald.eval.tasks import (
+    TaskConfig,
+    build_examples,
+    eligible_identifier,
+    line_candidates,
+    selection_hash,
+)
+
+
+@pytest.fixture(scope="module")
+def line_ex(corpus, tok):
+    return build_examples("line", corpus, tok, 1024, 6, SMALL)
+
+
+@pytest.fixture(scope="module")
+def recall_ex(corpus, tok):
+    return build_examples("recall", corpus, tok, 384, 6, SMALL)
+
+
+def test_builders_are_deterministic(tok, line_ex, recall_ex):
+    fresh = Corpus(codec=tok)
+    again = build_examples("line", fresh, tok, 1024, 6, SMALL)
+    assert selection_hash(again) == selection_hash(line_ex)
+    assert [e.meta for e in again] == [e.meta for e in line_ex]
+    again = build_examples("recall", fresh, tok, 384, 6, SMALL)
+    assert selection_hash(again) == selection_hash(recall_ex)
+    other_seed = build_examples(
+        "line", fresh, tok, 1024, 6, TaskConfig(**{**SMALL.__dict__, "seed": 1})
+    )
+    assert selection_hash(other_seed) != selection_hash(line_ex)
+
+
+def test_line_targets_are_real_lines_and_same_at_every_context(corpus, tok, line_ex):
+    assert len(line_ex) == 6
+    for ex in line_ex:
+        raw = (corpus.root / ex.meta["file"]).read_bytes()
+        f = corpus.read(ex.meta["file"])
+        assert f.sha256 == ex.meta["sha256"]
+        assert raw.decode().splitlines()[ex.meta["line"] - 1] == ex.target
+        stripped = ex.target.strip()
+        assert 10 <= len(stripped) <= 160 and not stripped.startswith(("#", '"', "'", "import "))
+        assert stripped not in {line.strip() for line in f.lines[: ex.meta["line"] - 1]}
+    # Paired across contexts: the same targets at a shorter context.
+    short = build_examples("line", corpus, tok, 256, 6, SMALL)
+    assert [(e.meta["file"], e.meta["line"]) for e in short] == [
+        (e.meta["file"], e.meta["line"]) for e in line_ex
+    ]
+
+
+def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, line_ex):
+    for ex in line_ex:
+        f = corpus.read(ex.meta["file"])
+        infile = (f"# file: {f.rel}\n" + "".join(f.lines[: ex.meta["line"] - 1])).encode()
+        n_in = ex.meta["infile_tokens"]
+        assert n_in == min(len(infile), 64)
+        assert len(ex.prompt_ids) == 1024  # stdlib packages are far longer than 1K bytes
+        assert bytes(ex.prompt_ids[-n_in:]) == infile[-n_in:]  # the in-file prefix, kept
+        # The rest is the tail of the related files' chunks, most related last.
+        files = ex.meta["context_files"]
+        chunks = b"".join(corpus.read(c["file"]).chunk().encode() for c in files)
+        ctx = bytes(ex.prompt_ids[:-n_in])
+        assert chunks.endswith(ctx) and len(ctx) == 1024 - n_in
+        assert not any(c["truncated"] for c in files[1:])
+        ranks = [corpus.relatedness(f.rel, c["file"]) for c in files]
+        assert ranks == sorted(ranks)
+        assert all(c["file"] != f.rel for c in files)
+
+
+def test_line_candidates_prefer_cross_file_names(corpus):
+    f = corpus.read("json/decoder.py")
+    cands = line_candidates(f, {"scanstring"}, set())
+    rows = [r for r, tier in cands if tier == 2]
+    assert rows and all("scanstring" in f.lines[r - 1] for r in rows)
+
+
+def test_recall_constraints(corpus, tok, recall_ex):
+    assert len(recall_ex) == 6
+    for ex in recall_ex:
+        m = ex.meta
+        f = corpus.read(m["file"])
+        name = ex.target
+        assert eligible_identifier(name)
+        assert not keyword.iskeyword(name) and not hasattr(builtins, name)
+        # The definition line defines it; the use is that identifier, later.
+        assert re.search(rf"\b{name}\b", f.lines[m["def_line"] - 1])
+        off = f.line_offsets[m["line"] - 1] + m["col"]
+        assert re.match(rf"{name}\b", f.text[off:])
+        # The prompt ends just before the use (trailing spaces dropped).
+        head = f.text[:off].rstrip(" \t").encode()
+        assert head.endswith(bytes(ex.prompt_ids[-200:]))
+        # Distance (definition line -> use) in tokens, inside the prompt.
+        dist = len(tok.encode(f.text[f.line_offsets[m["def_line"] - 1] : off].rstrip(" \t")))
+        assert dist == m["distance_tokens"] and SMALL.min_distance <= dist <= 384 - 64
+        assert f.lines[m["def_line"] - 1].encode() in bytes(ex.prompt_ids)
+        # Absent from the control window.
+        assert not re.search(rf"\b{name}\b", tok.decode(ex.prompt_ids[-SMALL.control_tokens :]))
+        assert len(ex.prompt_ids) <= 384
+
+
+def test_recall_rejects_bad_sizes(corpus, tok):
+    with pytest.raises(ValueError, match="min_distance"):
+        build_examples(
+            "recall", corpus, tok, 4096, 1, TaskConfig(control_tokens=512, min_distance=100)
+        )
+    with pytest.raises(ValueError, match="context"):
+        build_examples("recall", corpus, tok, 1000, 1, TaskConfig())
+    with pytest.raises(ValueError, match="unknown task"):
+        build_examples("nope", corpus, tok, 1000, 1, TaskConfig())
