@@ -1,0 +1,39 @@
+"""Runner end to end on tiny-sdar: herald at budget 1.0 predicts exactly what dense predicts."""
+
+from __future__ import annotations
+
+import torch
+from conftest import SMALL
+
+from herald.eval.runner import DecodeConfig, Unit, plan_units, run_unit
+from herald.eval.tasks import build_examples
+from herald.models.registry import build_model, get_preset
+
+
+def test_herald_at_budget_one_equals_dense(corpus, tok):
+    config = get_preset("tiny-sdar")
+    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=1)
+    examples = build_examples("line", corpus, tok, 256, 3, SMALL)
+    dcfg = DecodeConfig(steps=3, control_tokens=64, selection_threads=2, batch_size=2)
+    dense = run_unit(Unit("line", 256, "dense"), examples, model, config, tok, dcfg)
+    herald = run_unit(Unit("line", 256, "herald", 1.0), examples, model, config, tok, dcfg)
+    control = run_unit(Unit("line", 256, "control"), examples, model, config, tok, dcfg)
+    assert [r["completion"] for r in herald["examples"]] == [
+        r["completion"] for r in dense["examples"]
+    ]
+    assert herald["metrics"] == dense["metrics"]
+    assert dense["prompt_tokens_mean"] == 256 and control["prompt_tokens_mean"] == 64
+    assert all(r["num_output_tokens"] == 64 for r in dense["examples"])  # two blocks, no EOS cut
+    assert 0.0 <= dense["metrics"]["es"] <= 1.0
+
+
+def test_plan_puts_operating_points_first():
+    units = plan_units(["line"], [4096], ["dense", "herald", "mage"], [0.01, 0.025, 0.05])
+    keys = [u.key for u in units]
+    assert keys[:4] == [
+        "line_4096_dense",
+        "line_4096_control",
+        "line_4096_mage_0.025",
+        "line_4096_herald_0.05",
+    ]
+    assert len(keys) == 2 + 2 * 3 and len(set(keys)) == len(keys)
