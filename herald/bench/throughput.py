@@ -1,0 +1,224 @@
+"""Decode throughput vs batch size, with measured ceilings (issue 5; DESIGN §6 "Throughput").
+
+``herald bench throughput`` (or ``python -m herald.bench.throughput``) sweeps the batch size of
+one engine configuration on one model and context, B = 32, fixed T, and reports decode
+throughput = generated tokens / decode wall time (prefill excluded; synthetic, see
+:mod:`herald.bench.throughput_point`), the peak and the batch reaching it. A point that does not
+fit is recorded as ``oom`` (GPU memory, cap included) or ``dram`` (CPU pool / DRAM) and ends its
+sweep. In the same run: PCIe and DRAM bandwidth, the selection kernel's time per block and the
+GPU forward time at each batch, for the ceilings (:mod:`herald.bench.ceilings`).
+
+One sweep::
+
+    herald bench throughput --model llada2-mini --context 32768 --mode herald --budget 0.05 \\
+        --batches 16,32,64 --gpu-memory-gb 80
+
+A plan (``--plan all`` regenerates every table and figure of results/throughput/README.md),
+runnable piecewise: ``--part i/n``, filters (``--models``, ``--contexts``, ``--modes``,
+``--caps``, ``--figures``) and ``--time-limit-s``. Every point is appended to
+``OUT/throughput.jsonl`` as soon as it is measured; a rerun skips the points already there, so
+parts resume and merge. ``--report DIR`` rebuilds README.md and the plots from ``DIR/*.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.bench import throughput_plan as plan
+from herald.bench.throughput_plan import VARIANTS, Sweep
+from herald.bench.throughput_run import JSONL_NAME, Runner, load_records, log
+
+__all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        return [kind(x) for x in text.split(",") if x]
+
+    return parse
+
+
+def _caps(text: str) -> list[float | None]:
+    return [None if x.lower() in ("none", "0", "off") else float(x) for x in text.split(",")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("one sweep (without --plan)")
+    g.add_argument("--model", help="preset name or checkpoint directory")
+    g.add_argument("--context", type=_csv(int), help="context length(s) in tokens, comma list")
+    g.add_argument(
+        "--mode",
+        type=_csv(str),
+        default=None,
+        help=f"variant(s), comma list: {', '.join(VARIANTS)} (default herald)",
+    )
+    g.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="KV budget of offloading modes (default: the mode's, e.g. herald 0.05)",
+    )
+    g.add_argument("--batches", type=_csv(int), help="batch sizes, comma list")
+    g.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="cap GPU memory at this many GB (emulates a smaller GPU)",
+    )
+    g.add_argument("--steps", type=int, default=20, help="fixed denoising steps T per block")
+    g = p.add_argument_group("plans")
+    g.add_argument("--plan", choices=["all", "table2", "fig13", "fig14", "smoke"], default=None)
+    g.add_argument("--part", default=None, help="i/n: run part i of n of the selected sweeps")
+    g.add_argument("--models", type=_csv(str), default=None, help="filter: models")
+    g.add_argument("--contexts", type=_csv(int), default=None, help="filter: contexts")
+    g.add_argument("--modes", type=_csv(str), default=None, help="filter: variants")
+    g.add_argument("--caps", type=_caps, default=None, help="filter: GPU caps (80,none)")
+    g.add_argument("--figures", type=_csv(str), default=None, help="filter: table2,fig13,...")
+    g.add_argument("--dry-run", action="store_true", help="list pending points and exit")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--out", type=Path, default=Path("results/throughput"))
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--block-size", type=int, default=32)
+    g.add_argument("--warmup-blocks", type=int, default=1)
+    g.add_argument("--timed-blocks", type=int, default=2)
+    g.add_argument(
+        "--slow-block-s",
+        type=float,
+        default=15.0,
+        help="time one block only when a warm-up block took longer than this",
+    )
+    g.add_argument(
+        "--cpu-kv-gb",
+        type=float,
+        default=None,
+        help="CPU KV pool size in GiB (bounds DRAM; default: what the run needs, at "
+        "most available DRAM minus --dram-reserve-gb)",
+    )
+    g.add_argument("--dram-reserve-gb", type=float, default=16.0)
+    g.add_argument("--selection-threads", type=int, default=None)
+    g.add_argument(
+        "--offload-cuda-graph",
+        action="store_true",
+        help="offloading engines replay their forwards from CUDA graphs",
+    )
+    g.add_argument(
+        "--real-prefill",
+        action="store_true",
+        help="run real prompt forwards instead of the synthetic prefill (slow)",
+    )
+    g.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="start no point that would end after this many seconds",
+    )
+    g.add_argument("--first-point-estimate-s", type=float, default=60.0)
+    g.add_argument("--dram-probe-gib", type=float, default=2.0)
+    g.add_argument("--pcie-probe-mib", type=int, default=1024)
+    g.add_argument("--retry-errors", action="store_true", help="remeasure points that errored")
+    g.add_argument("--fail-fast", action="store_true", help="raise on a non-memory error")
+    g.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="only rebuild DIR/README.md and the plots from DIR/*.jsonl",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
+
+
+def custom_sweeps(args: argparse.Namespace) -> list[Sweep]:
+    if not args.model or not args.context:
+        raise ValueError("give --plan, or --model and --context (and --batches) for one sweep")
+    out = []
+    for mode in args.mode or ["herald"]:
+        if mode not in VARIANTS:
+            raise ValueError(f"unknown --mode {mode!r}; one of {', '.join(VARIANTS)}")
+        var = VARIANTS[mode]
+        budget = (args.budget or var.default_budget) if var.offload else None
+        for ctx in args.context:
+            batches = tuple(args.batches or plan.batches_for(args.model, ctx, mode))
+            out.append(
+                Sweep("custom", args.model, ctx, mode, budget, args.gpu_memory_gb, args.steps,
+                      batches)
+            )  # fmt: skip
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from herald.bench.throughput_report import write_report
+
+    if args.report is not None:
+        log(f"wrote {write_report(args.report)}")
+        return 0
+    if args.warmup_blocks < 1 or args.timed_blocks < 1:
+        raise ValueError("--warmup-blocks and --timed-blocks must be >= 1 (block 0 holds prefill)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA GPU; use --device cpu for a smoke run")
+    everything = plan.build_plan(args.plan) if args.plan else plan.merge(custom_sweeps(args))
+    sweeps = plan.filter_sweeps(
+        everything, args.models, args.contexts, args.modes, args.caps, args.figures
+    )
+    if args.part:
+        sweeps = plan.split_parts(sweeps, *plan.parse_part(args.part))
+    runner = Runner(args, sweeps, everything)
+    try:
+        rc = runner.run()
+    finally:
+        runner.free_model()
+    if runner.measured:
+        try:
+            log(f"wrote {write_report(args.out)}")
+        except Exception as e:  # noqa: BLE001  (the raw records are safe; rerun --report)
+            log(f"report failed ({type(e).__name__}: {e}); rerun with --report {args.out}")
+    return rc
+
+
+def register(subparsers: Any) -> None:
+    """Add ``herald bench throughput`` to the ``herald`` command line (``bench`` is created if no
+    other benchmark has created it yet)."""
+    bench = subparsers.choices.get("bench")
+    if bench is None:
+        bench = subparsers.add_parser("bench", help="benchmarks (herald bench throughput ...)")
+    sub = next(
+        (a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None
+    ) or bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    p = sub.add_parser(
+        "throughput",
+        help="decode throughput vs batch size, with measured ceilings (issue 5)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(handler=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m herald.bench.throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

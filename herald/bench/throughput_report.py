@@ -1,0 +1,467 @@
+"""README.md and plots of the throughput benchmark (:mod:`herald.bench.throughput`), rebuilt from
+the raw JSONL records alone (``--report DIR``), e.g. where the GPU machine lacks matplotlib.
+
+Tables: Table II analog (peak throughput and its batch per mode, context and model; at the 80 GB
+cap and on the whole GPU), Fig. 12 analog (throughput vs batch at 32K with the ceilings), Fig. 13
+analog (the ablation ladder), Fig. 14 analog (T sweep with per-block main / retrieval latency),
+the targets of issue 5 with, where one is missed, the limiting ceiling and what would lift it.
+"""
+# ruff: noqa: E501  (markdown rows are clearer on one line)
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from herald.bench import ceilings as ceil
+from herald.bench import throughput_plan as plan
+from herald.bench import throughput_plots as tplots
+from herald.bench.throughput_plan import CAP_H100, K16, K32, LLADA, SDAR, VARIANTS
+from herald.bench.throughput_plan import ctx_label as _ctx
+
+TARGET_RATIO = 2.28  # HERALD / Dense, LLaDA2.0-mini 32K, 80 GB cap (the paper's Table II)
+CEILING_NAMES = ceil.NAMES
+LIFT = {
+    "cpu_selection": "a cheaper selection pass per block: the kernel streams the whole prefix KV "
+    "once per block, so more DRAM bandwidth (the paper's server: 307 GB/s), fewer bytes read "
+    "(the `selected` output mode reads K only) or a kernel closer to the DRAM-speed ceiling",
+    "gpu_forward": "a faster main stream at this batch: the offloading engine's forward (CUDA "
+    "graphs, batched KV hand-offs, a fused MoE), or a larger batch where memory allows",
+    "per_block_fetch": "fewer bytes per block (a smaller budget) or a faster host link",
+    "dram": "more DRAM for the CPU pool (the two-GPU machine variant has 256 GiB): the batch "
+    "would grow until a throughput ceiling binds",
+}
+
+
+# The ceilings that can bind each variant: HERALD-like modes fetch the selected rows once per block
+# and select on the CPU; MAGE with GPU selection moves the full KV every block; InfiniGen fetches
+# its (proxy-selected) rows once per block; Dense only runs forwards.
+_CPU_SELECTING = ("per_block_fetch", "cpu_selection", "gpu_forward")
+RELEVANT = {
+    "dense": ("gpu_forward",),
+    "herald": _CPU_SELECTING,
+    "herald-selected": _CPU_SELECTING,
+    "mage-cpu-rep": _CPU_SELECTING,
+    "mage-cpu": _CPU_SELECTING,
+    "mage": ("full_kv_per_block_fetch", "gpu_forward"),
+    "infinigen": ("per_block_fetch", "gpu_forward"),
+}
+
+
+class Data:
+    """The records of a results folder, indexed for the tables."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.runs = [r for r in records if r.get("kind") == "run"]
+        self.machines = {r["run_id"]: r for r in records if r.get("kind") == "machine"}
+        pts = [r for r in records if r.get("kind") == "point"]
+        if any(p.get("device") == "cuda" for p in pts):
+            pts = [p for p in pts if p.get("device") == "cuda"]
+        self.sweeps: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = defaultdict(dict)
+        for p in pts:  # later records win
+            self.sweeps[plan.record_sweep_key(p)][p["batch"]] = p
+        self.points = [p for s in self.sweeps.values() for p in s.values()]
+        pcie = [m["pcie"]["h2d_gbs"] for m in self.machines.values() if m.get("pcie")]
+        dram = [m["dram"]["reference_gbs"] for m in self.machines.values() if m.get("dram")]
+        self.pcie = statistics.median(pcie) if pcie else None
+        self.dram = statistics.median(dram) if dram else None
+
+    def contexts(self, model: str | None = None) -> list[int]:
+        """Contexts measured (for ``model``), else the paper's 16K and 32K."""
+        got = sorted({p["context"] for p in self.points if model is None or p["model"] == model})
+        return got or [K16, K32]
+
+    def models(self) -> list[str]:
+        seen = dict.fromkeys(p["model"] for p in self.points)
+        first = [m for m in (LLADA, SDAR) if m in seen]
+        return first + [m for m in seen if m not in first]
+
+    def sweep(
+        self, model: str, ctx: int, variant: str, budget: float | None, cap: float | None,
+        steps: int = 20,
+    ) -> tuple[dict[int, dict[str, Any]], str]:  # fmt: skip
+        """Points of a sweep and a note: uncapped offloading sweeps fall back to the 80 GB one
+        when it never ran out of GPU memory (as the benchmark itself does)."""
+        recs = self.sweeps.get(plan.sweep_key(model, ctx, variant, budget, cap, steps), {})
+        if recs or cap is not None or not VARIANTS[variant].offload:
+            return recs, ""
+        capped = self.sweeps.get(plan.sweep_key(model, ctx, variant, budget, CAP_H100, steps), {})
+        if capped and not any(r["status"] == "oom" for r in capped.values()):
+            return capped, "= 80 GB run"
+        return {}, ""
+
+    def ceilings(self, rec: dict[str, Any]) -> dict[str, float]:
+        m = self.machines.get(rec.get("run_id", ""), {})
+        pcie = (m.get("pcie") or {}).get("h2d_gbs") or self.pcie
+        dram = (m.get("dram") or {}).get("reference_gbs") or self.dram
+        return ceil.point_ceilings(rec, pcie, dram)
+
+
+def peak(recs: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in recs.values() if r["status"] == "ok"]
+    return max(ok, key=lambda r: r["decode_tokens_per_s"]) if ok else None
+
+
+def stop_reason(recs: dict[int, dict[str, Any]]) -> str:
+    bad = sorted((b, r) for b, r in recs.items() if r["status"] != "ok")
+    if bad:
+        b, r = bad[0]
+        what = {"oom": "GPU OOM", "dram": "DRAM"}.get(r["status"], r["status"])
+        return f"{what} at bs {b}"
+    return f"end of list (bs {max(recs)})" if recs else "not run"
+
+
+def _mean(xs: list[float] | None) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _cap(cap: float | None) -> str:
+    return f"{cap:g} GB cap" if cap else "whole GPU"
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+def provenance(d: Data) -> list[str]:
+    lines = ["## Provenance", ""]
+    lines += ["| run | date (UTC) | command | GPU | CPU | DRAM GiB | torch | PCIe H2D GB/s | DRAM read GB/s | points |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    count: dict[str, int] = defaultdict(int)
+    for p in d.points:
+        count[p["run_id"]] += 1
+    for r in d.runs:
+        if not count.get(r["run_id"]):
+            continue
+        m, mc = r["machine"], d.machines.get(r["run_id"], {})
+        lines.append(
+            f"| {r['run_id']} | {m.get('date_utc', '')} | `{r['command']}` | {m.get('gpu', 'cpu')} "
+            f"| {m.get('cpu_model', '?')} x{m.get('cpu_count')} | {m.get('mem_total_gib')} "
+            f"| {m.get('torch')} | {_f((mc.get('pcie') or {}).get('h2d_gbs'), '.1f')} "
+            f"| {_f((mc.get('dram') or {}).get('reference_gbs'), '.1f')} | {count[r['run_id']]} |"
+        )
+    settings = {
+        tuple(sorted(r.get("settings", {}).items())) for r in d.runs if count.get(r["run_id"])
+    }
+    for s in settings:
+        lines.append("")
+        lines.append("Settings: " + ", ".join(f"{k} = {v}" for k, v in s))
+    return lines
+
+
+METHOD = """## Method
+
+Full-size architectures with random bf16 weights (speed does not depend on weight values), B = 32,
+fixed T denoising steps per block (T = 20 unless stated) plus one commit forward, EOS ignored.
+Every request of a point is admitted at once with a **synthetic prefill** (random KV in the GPU
+stores and the CPU pool, random initial sparse pools: decode speed does not depend on KV values;
+real prefill throughput is in `results/dense`). Each point decodes warm-up blocks (CUDA graph
+capture, compilation of new shapes, the first block) and then timed blocks; **decode throughput =
+tokens generated in the timed blocks / their wall time**. A sweep ends at its first point that does
+not fit: `GPU OOM` (out of GPU memory under the cap) or `DRAM` (CPU pool or pinned staging). The
+80 GB cap limits PyTorch's allocator to 80e9 bytes (the CUDA context and library workspaces,
+~1 GB, are outside it). Uncapped offloading sweeps whose 80 GB sweep never ran out of GPU memory
+are not rerun (`= 80 GB run`): their batch is bounded by DRAM, not by the GPU.
+
+Ceilings (tokens/s; the paper's Fig. 5), with k = ceil(budget x S) rows per KV head and
+offloaded layer and bytes/token = offloaded layers x 2 x KV heads x head_dim x 2:
+
+- per-step fetch = B / (T x k x bytes/token / PCIe): the selected KV reloaded every step (MAGE / AR style)
+- per-block fetch = B / (k x bytes/token / PCIe): once per block (HERALD); full KV: k = S
+- CPU selection (measured) = batch x B / (offloaded layers x (select + gather time of one layer at that batch)),
+  with the selection kernel on random KV of the point's shape (1 query for the representative query, B for MAGE)
+- CPU selection at DRAM speed = B x DRAM read bandwidth / (S x bytes read per token: K, and V in the `full` output mode)
+- GPU forward (measured) = batch x B / (T x median plain denoising forward at that batch)
+
+PCIe (pinned host-to-device, 1 GiB, best of 3) and DRAM read bandwidth (all threads) are measured at
+the start of every run."""
+
+
+def table2(d: Data, cap: float | None) -> list[str]:
+    models = [m for m in d.models() if m in (LLADA, SDAR)] or d.models()
+    head = "| ctx | method |" + "".join(
+        f" {plan.model_name(m)}: bs | tok/s (x Dense) | paper bs / tok/s | sweep ended by |"
+        for m in models
+    )
+    lines = [f"### {_cap(cap)}", "", head, "|" + " --- |" * (2 + 4 * len(models))]
+    for ctx in d.contexts():
+        for v in plan.TABLE2_VARIANTS:
+            var = VARIANTS[v]
+            name = var.label + (f" {var.default_budget:.1%}" if var.default_budget else "")
+            row = f"| {_ctx(ctx)} | {name} |"
+            for m in models:
+                recs, note = d.sweep(m, ctx, v, var.default_budget, cap)
+                top = peak(recs)
+                dense = peak(d.sweep(m, ctx, "dense", None, cap)[0])
+                ratio = (
+                    f" ({top['decode_tokens_per_s'] / dense['decode_tokens_per_s']:.2f}x)"
+                    if top and dense else ""
+                )  # fmt: skip
+                pb, pt = plan.PAPER_TABLE2.get((m, ctx, v), ("-", "-"))
+                row += (
+                    f" {top['batch'] if top else '-'} | {_f(top['decode_tokens_per_s'] if top else None)}{ratio}"
+                    f" | {pb} / {pt} | {stop_reason(recs)}{f' ({note})' if note else ''} |"
+                )
+            lines.append(row)
+    return lines
+
+
+def _bound(c: dict[str, float], keys: tuple[str, ...]) -> str:
+    have = {k: c[k] for k in keys if k in c}
+    return min(have, key=lambda k: have[k]) if have else "-"
+
+
+def fig12(d: Data, out: Path, model: str, cap: float | None, plots: list[str]) -> list[str]:
+    ctx = max(d.contexts(model))  # 32K in the plan
+    lines = [f"### {plan.model_name(model)}, {_ctx(ctx)}, {_cap(cap)}", ""]
+    series = {
+        v: d.sweep(model, ctx, v, VARIANTS[v].default_budget, cap)[0] for v in plan.TABLE2_VARIANTS
+    }
+    if not any(series.values()):
+        return lines + ["(no points yet)"]
+    lines += ["| mode | bs | tok/s | fwd ms | per-step fetch | per-block fetch | per-block fetch, full KV | CPU selection | CPU sel. at DRAM speed | GPU forward | main s/block | retrieval s/block | stall s/block | lowest ceiling of the mode |",
+              "| --- |" + " --- |" * 13]  # fmt: skip
+    for v, recs in series.items():
+        for bs in sorted(recs):
+            r = recs[bs]
+            if r["status"] != "ok":
+                lines.append(f"| {v} | {bs} | {r['status']} |" + " |" * 11)
+                continue
+            c = d.ceilings(r)
+            keys = RELEVANT.get(v, tuple(c))
+            lines.append(
+                f"| {v} | {bs} | {r['decode_tokens_per_s']:.0f} | {r['forward_median_s'] * 1e3:.1f} "
+                f"| {_f(c.get('per_step_fetch'))} | {_f(c.get('per_block_fetch'))} | {_f(c.get('full_kv_per_block_fetch'))} "
+                f"| {_f(c.get('cpu_selection'))} "
+                f"| {_f(c.get('cpu_selection_dram'))} | {_f(c.get('gpu_forward'))} "
+                f"| {_f(_mean(r.get('block_main_s')), '.2f')} | {_f(_mean(r.get('block_retrieval_s')), '.2f')} "
+                f"| {_f(_mean(r.get('block_stall_s')), '.2f')} | {CEILING_NAMES.get(_bound(c, keys), '-')} |"
+            )
+    name = f"fig12_{plan.model_name(model)}_{'cap' + format(cap, 'g') if cap else 'h200'}.png"
+    if tplots.plot_fig12(
+        d.ceilings, series, out / name, f"{plan.model_name(model)} {_ctx(ctx)}, {_cap(cap)}"
+    ):
+        plots.append(name)
+        lines += ["", f"![Fig. 12 analog]({name})"]
+    return lines
+
+
+def fig13(d: Data, out: Path, plots: list[str]) -> list[str]:
+    lines = ["| ctx | configuration (5%, 80 GB cap) | bs | peak tok/s | x previous | x MAGE (GPU sel.) | paper tok/s | sweep ended by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    bars: dict[int, list[tuple[str, float]]] = {}
+    for ctx in d.contexts(LLADA):
+        base = prev = None
+        for v in plan.FIG13_RUNGS:
+            recs, _ = d.sweep(LLADA, ctx, v, 0.05, CAP_H100)
+            top = peak(recs)
+            tps = top["decode_tokens_per_s"] if top else None
+            base = base if base is not None else tps
+            lines.append(
+                f"| {_ctx(ctx)} | {VARIANTS[v].label} | {top['batch'] if top else '-'} | {_f(tps)} "
+                f"| {_f(tps / prev if tps and prev else None, '.2f')} | {_f(tps / base if tps and base else None, '.2f')} "
+                f"| {plan.PAPER_FIG13.get(ctx, {}).get(v, '-')} | {stop_reason(recs)} |"
+            )
+            prev = tps if tps else prev
+            if tps:
+                bars.setdefault(ctx, []).append((VARIANTS[v].label, tps / (base or tps)))
+    if tplots.plot_bars(bars, out / "fig13_ablation.png"):
+        plots.append("fig13_ablation.png")
+        lines += ["", "![Fig. 13 analog](fig13_ablation.png)"]
+    return lines
+
+
+def fig14(d: Data, out: Path, plots: list[str]) -> list[str]:
+    lines = ["| ctx | T | Dense bs | Dense tok/s | HERALD bs | HERALD tok/s | HERALD / Dense | main s/block | retrieval s/block | stall s/block |",
+             "| --- |" + " --- |" * 9]  # fmt: skip
+    data: dict[int, list[tuple[int, float | None, float | None, float | None, float | None]]] = {}
+    for ctx in d.contexts(LLADA):
+        for t in plan.FIG14_STEPS:
+            # a T sweep has one batch: the peak batch of the T = 20 sweep (or the paper's)
+            dn = _single(d, ctx, "dense", None, t)
+            hr = _single(d, ctx, "herald", 0.05, t)
+            if not dn and not hr:
+                continue
+            dt, ht = (r["decode_tokens_per_s"] if r else None for r in (dn, hr))
+            main, retr = (
+                _mean(hr.get("block_main_s")) if hr else None,
+                _mean(hr.get("block_retrieval_s")) if hr else None,
+            )
+            lines.append(
+                f"| {_ctx(ctx)} | {t} | {dn['batch'] if dn else '-'} | {_f(dt)} | {hr['batch'] if hr else '-'} "
+                f"| {_f(ht)} | {_f(ht / dt if ht and dt else None, '.2f')} | {_f(main, '.2f')} | {_f(retr, '.2f')} "
+                f"| {_f(_mean(hr.get('block_stall_s')) if hr else None, '.2f')} |"
+            )
+            data.setdefault(ctx, []).append((t, dt, ht, main, retr))
+    if tplots.plot_fig14(data, out / "fig14_steps.png"):
+        plots.append("fig14_steps.png")
+        lines += ["", "![Fig. 14 analog](fig14_steps.png)"]
+    return lines
+
+
+def _single(d: Data, ctx: int, v: str, budget: float | None, t: int) -> dict[str, Any] | None:
+    """The Fig. 14 point at T = t: the T = 20 sweep's peak batch, else any measured batch."""
+    recs, _ = d.sweep(LLADA, ctx, v, budget, CAP_H100, t)
+    ref = peak(d.sweep(LLADA, ctx, v, budget, CAP_H100, 20)[0])
+    if ref and ref["batch"] in recs and recs[ref["batch"]]["status"] == "ok":
+        return recs[ref["batch"]]
+    return peak(recs)
+
+
+def targets(d: Data) -> list[str]:
+    lines = ["## Targets (issue 5)", ""]
+    h = d.sweep(LLADA, K32, "herald", 0.05, CAP_H100)[0]
+    dn = d.sweep(LLADA, K32, "dense", None, CAP_H100)[0]
+    ht, dt = peak(h), peak(dn)
+    if ht and dt:
+        ratio = ht["decode_tokens_per_s"] / dt["decode_tokens_per_s"]
+        ok = ratio >= TARGET_RATIO
+        lines.append(
+            f"- LLaDA2.0-mini 32K, 80 GB cap: HERALD / Dense = {ht['decode_tokens_per_s']:.0f} / "
+            f"{dt['decode_tokens_per_s']:.0f} = **{ratio:.2f}x** (target >= {TARGET_RATIO}x): "
+            f"**{'met' if ok else 'missed'}**"
+        )
+        if not ok:
+            lines += diagnose(d, h, dt)
+    else:
+        lines.append("- LLaDA2.0-mini 32K, 80 GB cap: HERALD / Dense: **not measured yet**")
+    for cap in (CAP_H100, None):
+        for m in d.models():
+            for ctx in d.contexts(m):
+                hr = d.sweep(m, ctx, "herald", 0.05, cap)[0]
+                top = peak(hr)
+                if not top:
+                    continue
+                for v in ("mage", "infinigen"):
+                    other = peak(d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0])
+                    if other is None:
+                        continue
+                    ok = top["decode_tokens_per_s"] > other["decode_tokens_per_s"]
+                    lines.append(
+                        f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
+                        f"{top['decode_tokens_per_s']:.0f} vs {v} {other['decode_tokens_per_s']:.0f} tok/s: "
+                        f"**{'met' if ok else 'missed'}**"
+                    )
+                    if not ok:
+                        lines += diagnose(d, hr, other)
+    return lines
+
+
+def diagnose(d: Data, herald: dict[int, dict[str, Any]], other: dict[str, Any]) -> list[str]:
+    """The limiting ceiling of HERALD's peak point, its number and what would lift it."""
+    top = peak(herald)
+    if top is None:
+        return ["  - HERALD has no measured point"]
+    c = d.ceilings(top)
+    out = [
+        f"  - HERALD's peak: bs {top['batch']}, {top['decode_tokens_per_s']:.0f} tok/s; the other side: bs {other['batch']}, {other['decode_tokens_per_s']:.0f} tok/s"
+    ]
+    bigger = [r for b, r in sorted(herald.items()) if b > top["batch"]]
+    if bigger and bigger[0]["status"] == "dram":
+        out.append(
+            f"  - batch bound: bs {bigger[0]['batch']} did not fit in DRAM ({bigger[0].get('error', '')[:120]}); "
+            f"lift: {LIFT['dram']}"
+        )
+    main, retr = _mean(top.get("block_main_s")), _mean(top.get("block_retrieval_s"))
+    if main is not None and retr is not None:
+        stream = "retrieval (CPU selection)" if retr > main else "main (GPU forwards)"
+        out.append(
+            f"  - per block: main stream {main:.2f} s, retrieval stream {retr:.2f} s, stall {_f(_mean(top.get('block_stall_s')), '.2f')} s: the {stream} stream is the longer"
+        )
+    key = _bound(c, RELEVANT["herald"])
+    if key != "-":
+        detail = ", ".join(f"{CEILING_NAMES[k]} {c[k]:.0f}" for k in CEILING_NAMES if k in c)
+        out.append(
+            f"  - limiting ceiling: **{CEILING_NAMES[key]} = {c[key]:.0f} tok/s** at bs {top['batch']} (all: {detail} tok/s); lift: {LIFT[key]}"
+        )
+    return out
+
+
+def all_points(d: Data) -> list[str]:
+    lines = ["<details><summary>Every measured point</summary>", "",
+             "| model | ctx | variant | budget | cap | T | bs | status | tok/s | fwd ms | step0 ms | step1 ms | commit ms | main s | retrieval s | stall s | selection s/block | peak GiB | wall s |",
+             "| --- |" + " --- |" * 18]  # fmt: skip
+    for p in sorted(
+        d.points,
+        key=lambda p: (
+            p["model"],
+            p["context"],
+            p["variant"],
+            p["gpu_cap_gb"] or 1e9,
+            p["steps"],
+            p["batch"],
+        ),
+    ):
+        ms = _ms_of(p)
+        sel = (p.get("selection_kernel") or {}).get("block_s")
+        lines.append(
+            f"| {p['model_name']} | {p['context']} | {p['variant']} | {_f(p['budget'], '.3f') if p['budget'] else '-'} "
+            f"| {p['gpu_cap_gb'] or '-'} | {p['steps']} | {p['batch']} | {p['status']} "
+            f"| {_f(p.get('decode_tokens_per_s'))} | {ms('forward_median_s')} | {ms('step0_median_s')} | {ms('step1_median_s')} "
+            f"| {ms('commit_median_s')} | {_f(_mean(p.get('block_main_s')), '.2f')} | {_f(_mean(p.get('block_retrieval_s')), '.2f')} "
+            f"| {_f(_mean(p.get('block_stall_s')), '.2f')} | {_f(sel, '.2f')} | {_f(p.get('peak_gpu_gib'), '.1f')} | {_f(p.get('wall_seconds'))} |"
+        )
+    return lines + ["", "</details>"]
+
+
+def _ms_of(p: dict[str, Any]) -> Any:
+    def ms(key: str) -> str:
+        x = p.get(key) if p["status"] == "ok" else None
+        return _f(x * 1e3 if x else None, ".1f")
+
+    return ms
+
+
+def sweeps_summary(d: Data) -> list[str]:
+    lines = ["## Every sweep", "",
+             "| model | ctx | variant | budget | cap | T | batches | peak bs | peak tok/s | sweep ended by |",
+             "| --- |" + " --- |" * 9]  # fmt: skip
+    for key in sorted(d.sweeps, key=lambda k: (k[0], k[1], k[2], k[4] or 1e9, k[5], k[3] or 0)):
+        recs = d.sweeps[key]
+        model, ctx, v, budget, cap, t = key
+        top = peak(recs)
+        lines.append(
+            f"| {plan.model_name(model)} | {ctx} | {v} | {_f(budget, '.3f') if budget else '-'} | {cap or '-'} | {t} "
+            f"| {', '.join(str(b) for b in sorted(recs))} | {top['batch'] if top else '-'} "
+            f"| {_f(top['decode_tokens_per_s'] if top else None)} | {stop_reason(recs)} |"
+        )
+    return lines
+
+
+def write_report(out: Path) -> Path:
+    """README.md (+ fig12_*.png, fig13_ablation.png, fig14_steps.png) in ``out`` from its JSONL."""
+    from herald.bench.throughput_run import load_records
+
+    d = Data(load_records(out))
+    plots: list[str] = []
+    lines = [
+        "# Decode throughput vs batch, with measured ceilings (issue 5)",
+        "",
+        "Written by `python -m herald.bench.throughput --report` from the raw records in "
+        "`throughput.jsonl` (one line per measured point, per run and per machine probe).",
+        "",
+    ]
+    lines += targets(d) + [""]
+    lines += ["## Table II analog: peak decode throughput and its batch", ""]
+    for cap in (CAP_H100, None):
+        lines += table2(d, cap) + [""]
+    lines += ["## Fig. 12 analog: throughput vs batch at 32K, with the ceilings", ""]
+    for m in d.models():
+        for cap in (CAP_H100, None):
+            lines += fig12(d, out, m, cap, plots) + [""]
+    lines += ["## Fig. 13 analog: ablation ladder (LLaDA2.0-mini, 5%, 80 GB cap)", ""]
+    lines += fig13(d, out, plots) + [""]
+    lines += ["## Fig. 14 analog: denoising steps T (LLaDA2.0-mini, 80 GB cap)", ""]
+    lines += fig14(d, out, plots) + [""]
+    lines += sweeps_summary(d) + [""]
+    lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
+    if tplots.pyplot() is None and d.points:
+        lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]
+    path = out / "README.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,364 @@
+"""The throughput benchmark's runner: resumable sweeps over JSONL records (issue 5).
+
+:class:`Runner` walks the selected sweeps in plan order and measures each pending point
+(:func:`herald.bench.throughput_point.measure_point`), appending one JSON line per point to
+``OUT/throughput.jsonl`` the moment it is measured, after a ``run`` line (command, machine) and a
+``machine`` line (PCIe and DRAM bandwidth probes). A point already recorded with the same
+settings is skipped, so a run cut short (time limit, a killed command) resumes where it stopped,
+and parts of a plan run in separate commands, or on separate machines, merge by putting their
+JSONL files into one folder. The model and the CPU pool are built once per model and reused by
+every point; the GPU-memory cap is switched between sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.bench import throughput_plan as plan
+from herald.bench.throughput_plan import VARIANTS, Sweep
+
+JSONL_NAME = "throughput.jsonl"
+_GIB = 1 << 30
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- records ------------------------------------------------------------------------------------
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    """Every record of every ``*.jsonl`` under ``out`` (sorted by name; a partial last line, from
+    a run killed mid-write, is skipped)."""
+    recs: list[dict[str, Any]] = []
+    for path in sorted(out.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    recs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    log(f"skipping a malformed line in {path}")
+    return recs
+
+
+def append_record(path: Path, rec: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def point_records(
+    records: list[dict[str, Any]], sweep: Sweep, setting: dict[str, Any] | None = None
+) -> dict[int, dict[str, Any]]:
+    """The latest record per batch of ``sweep`` (matching ``setting``'s fields if given)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") != "point" or plan.record_sweep_key(r) != sweep.key:
+            continue
+        if setting and any(r.get(k) != v for k, v in setting.items()):
+            continue
+        out[r["batch"]] = r
+    return out
+
+
+def sweep_status(
+    recs: dict[int, dict[str, Any]], batches: tuple[int, ...], retry_errors: bool = False
+) -> tuple[list[int], bool]:
+    """(batches still to measure, whether the sweep ended on a capacity failure). A sweep stops
+    at its first ``oom`` / ``dram`` point: larger batches cannot fit either."""
+    todo = []
+    for bs in sorted(batches):
+        r = recs.get(bs)
+        if r is None or (retry_errors and r["status"] == "error"):
+            todo.append(bs)
+        elif r["status"] in ("oom", "dram"):
+            return todo, True
+    return todo, False
+
+
+def peak(recs: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in recs.values() if r["status"] == "ok"]
+    return max(ok, key=lambda r: r["decode_tokens_per_s"]) if ok else None
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs the selected sweeps' pending points in order, appending each record at once."""
+
+    def __init__(self, args: argparse.Namespace, sweeps: list[Sweep], context: list[Sweep]):
+        self.args, self.sweeps, self.context = args, sweeps, context
+        self.out: Path = args.out
+        self.jsonl = self.out / JSONL_NAME
+        self.records = load_records(self.out) if self.out.exists() else []
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.run_id = f"{_dt.datetime.now(_dt.UTC):%Y%m%dT%H%M%SZ}-{os.getpid()}"
+        self.t_start = time.perf_counter()
+        self.model_name: str | None = None
+        self.model: Any = None
+        self.config: Any = None
+        self.pool: Any = None
+        self.cap: float | None | str = "unset"
+        self.last_wall: dict[tuple[Any, ...], tuple[int, float]] = {}
+        self.measured: list[dict[str, Any]] = []
+
+    # settings a resumed record must share to count as done
+    def setting(self, sweep: Sweep) -> dict[str, Any]:
+        s: dict[str, Any] = {"device": self.device.type}
+        if VARIANTS[sweep.variant].offload:
+            s["offload_cuda_graph"] = self.args.offload_cuda_graph
+        return s
+
+    def plan_sweep(self, sweep: Sweep) -> tuple[str, list[int]]:
+        """("run", batches to measure) | ("defer", []) | ("reuse", []) | ("done", [])."""
+        if sweep.reuse_cap_gb is not None:
+            ref = self.planned(sweep.reference(cap=sweep.reuse_cap_gb))
+            ref_recs = point_records(self.records, ref, self.setting(ref))
+            if sweep_status(ref_recs, ref.batches)[0]:
+                return ("defer", [])
+            if not any(r["status"] == "oom" for r in ref_recs.values()):
+                return ("reuse", [])
+        batches = sweep.batches
+        if not batches:
+            ref = self.planned(sweep.reference(steps=sweep.peak_steps))
+            ref_recs = point_records(self.records, ref, self.setting(ref))
+            if ref.batches and sweep_status(ref_recs, ref.batches)[0]:
+                return ("defer", [])
+            top = peak(ref_recs)
+            batches = (top["batch"] if top else sweep.peak_default or 1,)
+        recs = point_records(self.records, sweep, self.setting(sweep))
+        todo, _ = sweep_status(recs, batches, self.args.retry_errors)
+        return ("run", todo) if todo else ("done", [])
+
+    def planned(self, ref: Sweep) -> Sweep:
+        """The plan's own sweep with ``ref``'s key (its batch list), else ``ref``."""
+        return next((s for s in self.context if s.key == ref.key), ref)
+
+    def time_left(self) -> float:
+        if self.args.time_limit_s is None:
+            return float("inf")
+        return self.args.time_limit_s - (time.perf_counter() - self.t_start)
+
+    def estimate(self, sweep: Sweep, batch: int) -> float:
+        est = self.args.first_point_estimate_s
+        if sweep.key in self.last_wall:
+            bs, wall = self.last_wall[sweep.key]
+            est = wall * max(1.0, batch / bs)
+        if self.model_name != sweep.model:
+            est += 30.0  # model build
+        return est
+
+    def ensure_model(self, sweep: Sweep) -> None:
+        from herald.models.loader import load_model
+
+        if self.model_name == sweep.model:
+            return
+        self.free_model()
+        t0 = time.perf_counter()
+        self.model, self.config, _ = load_model(
+            sweep.model,
+            device=self.device,
+            dtype=torch.bfloat16,
+            random_init_seed=0,
+            block_size=self.args.block_size,
+        )
+        self.model_name = sweep.model
+        log(f"built {sweep.model} (random bf16 weights) in {time.perf_counter() - t0:.1f} s")
+
+    def free_model(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.model = self.config = self.pool = self.model_name = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def ensure_pool(self, pending: list[tuple[Sweep, list[int]]]) -> None:
+        """One CPU pool per model, sized for this run's largest offloading point of the model,
+        at most DRAM available minus ``--dram-reserve-gb`` (or ``--cpu-kv-gb``)."""
+        from herald.bench.throughput_point import mem_available_gib, new_cpu_pool
+        from herald.bench.throughput_point import pages_per_request as ppr
+
+        if self.pool is not None:
+            return
+        cfg = self.config
+        new = (self.args.warmup_blocks + self.args.timed_blocks + 1) * cfg.block_size
+        need = max(
+            (max(bs or s.batches or (s.peak_default or 1,)) * ppr(s.context, new, cfg.block_size)
+             for s, bs in pending if s.model == self.model_name and VARIANTS[s.variant].offload),
+            default=1,
+        )  # fmt: skip
+        layers = cfg.num_layers - min(2, cfg.num_layers)
+        per_page = layers * 2 * cfg.num_kv_heads * cfg.block_size * cfg.head_dim * 2
+        if self.args.cpu_kv_gb is not None:
+            pages = int(self.args.cpu_kv_gb * _GIB) // per_page
+        else:
+            avail = mem_available_gib()
+            room = need if avail is None else int((avail - self.args.dram_reserve_gb) * _GIB)
+            pages = max(1, min(need, room // per_page))
+        t0 = time.perf_counter()
+        self.pool = new_cpu_pool(cfg, 2, pages)
+        log(f"{self.pool.describe()}; random fill + pin in {time.perf_counter() - t0:.1f} s")
+
+    def apply_cap(self, cap: float | None) -> None:
+        from herald.bench.common import cap_gpu_memory
+
+        if not self.cuda or cap == self.cap:
+            return
+        torch.cuda.empty_cache()
+        if cap is None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        else:
+            cap_gpu_memory(cap)
+        self.cap = cap
+
+    def header(self) -> None:
+        from herald.bench import ceilings
+        from herald.bench.common import command_line, machine_info
+        from herald.bench.throughput_point import mem_available_gib
+        from herald.kv.selection import kernel_info
+
+        run = {
+            "kind": "run", "run_id": self.run_id, "command": command_line(),
+            "plan": self.args.plan, "part": self.args.part, "machine": machine_info(),
+            "kernel": kernel_info(), "mem_available_gib": mem_available_gib(),
+            "settings": {k: getattr(self.args, k) for k in (
+                "warmup_blocks", "timed_blocks", "slow_block_s", "offload_cuda_graph",
+                "real_prefill", "cpu_kv_gb", "dram_reserve_gb", "time_limit_s")},
+        }  # fmt: skip
+        append_record(self.jsonl, run)
+        self.records.append(run)
+        rec: dict[str, Any] = {"kind": "machine", "run_id": self.run_id}
+        rec["pcie"] = ceilings.pcie_bandwidth(int(self.args.pcie_probe_mib) << 20)
+        rec["dram"] = ceilings.dram_bandwidth(self.args.dram_probe_gib)
+        append_record(self.jsonl, rec)
+        self.records.append(rec)
+        pcie = rec["pcie"] or {}
+        log(
+            f"PCIe H2D {pcie.get('h2d_gbs', float('nan')):.1f} GB/s, D2H "
+            f"{pcie.get('d2h_gbs', float('nan')):.1f} GB/s; DRAM read "
+            f"{rec['dram']['reference_gbs']:.1f} GB/s"
+        )
+
+    def run(self) -> int:
+        pending: list[tuple[Sweep, list[int]]] = []
+        for s in self.sweeps:
+            state, todo = self.plan_sweep(s)
+            if state == "run":
+                pending.append((s, todo))
+            elif state == "defer":
+                log(f"{s.label}: deferred (its reference sweep is not complete yet)")
+                pending.append((s, []))
+            elif state == "reuse":
+                log(f"{s.label}: = the {s.reuse_cap_gb:g} GB sweep (no GPU out-of-memory there)")
+        n_points = sum(len(b) for _, b in pending)
+        log(f"{len(self.sweeps)} sweeps selected, {n_points} points pending")
+        if self.args.dry_run:
+            for s, todo in pending:
+                print(f"  {s.label}: batches {todo or 'deferred'}")
+            return 0
+        if not pending:
+            return 0
+        self.header()
+        for i, (sweep, _) in enumerate(pending):
+            state, todo = self.plan_sweep(sweep)  # again: earlier sweeps may resolve a peak
+            if state != "run":
+                continue
+            for bs in todo:
+                if self.estimate(sweep, bs) > self.time_left():
+                    log(f"time limit: stopping before {sweep.label} batch {bs}")
+                    return self.finish()
+                if self.run_point(sweep, bs, pending[i:]) in ("oom", "dram"):
+                    break
+        return self.finish()
+
+    def finish(self) -> int:
+        left = sum(len(self.plan_sweep(s)[1]) for s in self.sweeps)
+        log(f"measured {len(self.measured)} points; {left} pending in this selection"
+            + (" (rerun the same command to resume)" if left else ""))  # fmt: skip
+        return 0
+
+    def run_point(self, sweep: Sweep, batch: int, pending: list[tuple[Sweep, list[int]]]) -> str:
+        from herald.bench import throughput_point as tp
+
+        t0 = time.perf_counter()
+        self.ensure_model(sweep)
+        self.apply_cap(sweep.gpu_cap_gb)
+        var = VARIANTS[sweep.variant]
+        if var.offload:
+            self.ensure_pool(pending)
+        ps = tp.PointSettings(
+            self.model, self.config, self.device,
+            warmup_blocks=self.args.warmup_blocks, timed_blocks=self.args.timed_blocks,
+            slow_block_s=self.args.slow_block_s, offload_cuda_graph=self.args.offload_cuda_graph,
+            real_prefill=self.args.real_prefill, selection_threads=self.args.selection_threads,
+            cpu_pool=self.pool if var.offload else None,
+        )  # fmt: skip
+        rec: dict[str, Any] = {
+            "kind": "point", "run_id": self.run_id,
+            "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "figure": sweep.figure, "model": sweep.model,
+            "model_name": plan.model_name(sweep.model),
+            "context": sweep.context, "variant": sweep.variant, "mode": var.mode,
+            "budget": sweep.budget, "gpu_cap_gb": sweep.gpu_cap_gb, "steps": sweep.steps,
+            "block_size": self.config.block_size, "batch": batch,
+            "warmup_blocks": self.args.warmup_blocks,
+            "prefill": "real" if self.args.real_prefill else "synthetic",
+            "kv_geometry": vars(tp.kv_geometry(self.config, 2)),
+            "cpu_pool_gib": self.pool.nbytes / _GIB if var.offload and self.pool else None,
+            **self.setting(sweep),
+        }  # fmt: skip
+        try:
+            rec.update(tp.measure_point(ps, sweep, batch))
+            rec["status"] = "ok"
+        except Exception as e:  # noqa: BLE001  (recorded, the sweep goes on or stops cleanly)
+            rec["status"] = tp.classify_failure(e)
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if self.args.fail_fast and rec["status"] == "error":
+                raise
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+        rec["wall_seconds"] = time.perf_counter() - t0
+        append_record(self.jsonl, rec)
+        self.records.append(rec)
+        self.measured.append(rec)
+        self.last_wall[sweep.key] = (batch, rec["wall_seconds"])
+        log(describe_point(sweep, rec))
+        return str(rec["status"])
+
+
+def describe_point(sweep: Sweep, r: dict[str, Any]) -> str:
+    head = f"{sweep.label} bs {r['batch']}:"
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()} ({r.get('error', '')[:160]})"
+    parts = [
+        f"{r['decode_tokens_per_s']:.0f} tok/s",
+        f"fwd {r['forward_median_s'] * 1e3:.1f} ms",
+    ]
+    if r.get("block_main_s"):
+        parts.append(
+            f"main {sum(r['block_main_s']) / len(r['block_main_s']):.2f} s, retrieval "
+            f"{sum(r['block_retrieval_s']) / len(r['block_retrieval_s']):.2f} s, stall "
+            f"{sum(r['block_stall_s']) / len(r['block_stall_s']):.2f} s per block"
+        )
+    if r.get("selection_kernel"):
+        parts.append(f"selection {r['selection_kernel']['block_s']:.2f} s/block")
+    if r.get("peak_gpu_gib") is not None:
+        parts.append(f"peak {r['peak_gpu_gib']:.1f} GiB")
+    parts.append(f"{r['wall_seconds']:.0f} s")
+    return f"{head} " + ", ".join(parts)

@@ -1,0 +1,154 @@
+"""The throughput benchmark's sweeps on tiny presets on the CPU: records, failures, resume, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from herald.bench import throughput, throughput_point
+from herald.bench.throughput_point import classify_failure
+from herald.kv.cpu_pool import CpuPoolFullError
+
+# Fast settings: one warm-up block, one timed block, T = 3, tiny DRAM probe.
+FAST = ["--device", "cpu", "--steps", "3", "--warmup-blocks", "1", "--timed-blocks", "1",
+        "--dram-probe-gib", "0.004", "--selection-threads", "2"]  # fmt: skip
+POINT_FIELDS = {
+    "kind", "run_id", "model", "context", "variant", "mode", "budget", "gpu_cap_gb", "steps",
+    "block_size", "batch", "status", "decode_tokens_per_s", "decode_seconds", "generated_tokens",
+    "forward_median_s", "step_seconds", "prefill_seconds", "kv_geometry", "wall_seconds",
+    "device", "prefill",
+}  # fmt: skip
+
+
+def _records(out: Path, kind: str = "point") -> list[dict]:
+    lines = (out / throughput.JSONL_NAME).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.mark.parametrize(("preset", "context"), [("tiny-llada2", 256), ("tiny-sdar", 512)])
+def test_sweep_writes_points_for_dense_and_herald(tmp_path, preset, context):
+    argv = ["--model", preset, "--context", str(context), "--mode", "dense,herald",
+            "--batches", "1,2", "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 0
+    pts = _records(tmp_path)
+    assert [(p["variant"], p["batch"]) for p in pts] == [
+        ("dense", 1), ("dense", 2), ("herald", 1), ("herald", 2)
+    ]  # fmt: skip
+    for p in pts:
+        assert set(p) >= POINT_FIELDS, POINT_FIELDS - set(p)
+        assert p["status"] == "ok" and p["context"] == context and p["steps"] == 3
+        # one timed block: every request generated its B tokens, T + 1 forwards (commit)
+        assert p["generated_tokens"] == p["batch"] * p["block_size"]
+        assert p["steps_per_block"] == [4]
+        assert p["decode_tokens_per_s"] == pytest.approx(
+            p["generated_tokens"] / p["decode_seconds"]
+        )
+        assert p["prefill"] == "synthetic" and p["prefill_tokens"] == p["batch"] * context
+    herald = [p for p in pts if p["variant"] == "herald"]
+    for p in herald:
+        assert p["budget"] == 0.05 and len(p["block_retrieval_s"]) == 1
+        sel = p["selection_kernel"]
+        assert sel["n_q"] == 1 and sel["block_s"] > 0 and sel["num_layers"] == 2
+    assert _records(tmp_path, "run")[0]["command"]
+    machine = _records(tmp_path, "machine")[0]
+    assert machine["pcie"] is None and machine["dram"]["reference_gbs"] > 0
+    assert "Every sweep" in (tmp_path / "README.md").read_text()
+
+
+def test_injected_oom_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    real = throughput_point.build_engine
+
+    def flaky(ps, sweep, batch):
+        if batch == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(ps, sweep, batch)
+
+    monkeypatch.setattr(throughput_point, "build_engine", flaky)
+    argv = ["--model", "tiny-llada2", "--context", "256", "--mode", "dense,herald",
+            "--batches", "1,2,3", "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 0
+    got = [(p["variant"], p["batch"], p["status"]) for p in _records(tmp_path)]
+    # batch 3 is not tried: the sweep ended at its first out-of-memory point
+    assert got == [("dense", 1, "ok"), ("dense", 2, "oom"), ("herald", 1, "ok"),
+                   ("herald", 2, "oom")]  # fmt: skip
+    assert "OutOfMemoryError" in _records(tmp_path)[1]["error"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "GPU OOM at bs 2" in readme
+    # a rerun has nothing left to do: failures count as measured
+    monkeypatch.setattr(throughput_point, "build_engine", real)
+    assert throughput.main(argv) == 0
+    assert len(_records(tmp_path)) == 4
+
+
+def test_cpu_pool_bound_is_recorded_as_dram(tmp_path):
+    # 13 pages of 16 KiB: one request of 256 + 96 tokens takes 12 (11 blocks + scratch)
+    argv = ["--model", "tiny-llada2", "--context", "256", "--mode", "herald", "--batches", "1,2",
+            "--cpu-kv-gb", str(13 * 16384 / 2**30), "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 0
+    got = [(p["batch"], p["status"]) for p in _records(tmp_path)]
+    assert got == [(1, "ok"), (2, "dram")]
+    assert "CPU pool holds 13 pages" in _records(tmp_path)[1]["error"]
+
+
+def test_time_limit_stops_and_a_rerun_resumes(tmp_path, capsys):
+    argv = ["--model", "tiny-sdar", "--context", "256", "--mode", "herald", "--batches", "1",
+            "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main([*argv, "--time-limit-s", "0"]) == 0
+    assert _records(tmp_path) == [] and "time limit" in capsys.readouterr().out
+    assert throughput.main(argv) == 0
+    assert len(_records(tmp_path)) == 1
+    assert throughput.main(argv) == 0  # resumed: nothing pending
+    assert len(_records(tmp_path)) == 1
+    assert "0 points pending" in capsys.readouterr().out
+
+
+def test_failure_classes():
+    assert classify_failure(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
+    wrapped = RuntimeError("retrieval stream failed")
+    wrapped.__cause__ = torch.OutOfMemoryError("x")
+    assert classify_failure(wrapped) == "oom"
+    assert classify_failure(CpuPoolFullError(10, 2)) == "dram"
+    assert classify_failure(RuntimeError("cudaHostRegister of 4 GiB failed")) == "dram"
+    assert classify_failure(ValueError("shape mismatch")) == "error"
+
+
+def test_cli_dry_run_lists_the_plan(tmp_path, capsys):
+    from herald.cli import main
+
+    rc = main(["bench", "throughput", "--plan", "smoke", "--dry-run", "--device", "cpu",
+               "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "2 sweeps selected, 4 points pending" in out
+    assert "llada2-mini 16K herald 5.0% 80 GB T=20: batches [32, 64]" in out
+    assert not (tmp_path / throughput.JSONL_NAME).exists()
+
+
+def test_custom_sweep_needs_a_model(capsys):
+    assert throughput.main(["--device", "cpu", "--context", "256"]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_failed_engine_constructor_leaves_no_retrieval_thread(monkeypatch):
+    import threading
+
+    from herald.bench.throughput_plan import VARIANTS
+    from herald.engine import offload
+    from herald.models.registry import build_model, get_preset
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(offload, "proxy_channels", oom)  # InfiniGen: after the worker started
+    config = get_preset("tiny-llada2")
+    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
+    before = sum(t.name == "herald-retrieval" for t in threading.enumerate())
+    with pytest.raises(torch.OutOfMemoryError):
+        throughput_point.SyntheticPrefillOffloadEngine(
+            model, config, VARIANTS["infinigen"].offload_config(0.2, 2),
+            max_batch_size=2, max_seq_len=256,
+        )  # fmt: skip
+    assert sum(t.name == "herald-retrieval" for t in threading.enumerate()) == before
