@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from herald.config import OffloadConfig, SamplingParams
@@ -245,8 +244,3 @@ def run_unit(
         },
         "examples": rows,
     }
-
-
-def device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,0 +1,285 @@
+"""``herald eval``: the whole accuracy evaluation in one command (issue 6).
+
+Plans units (:func:`herald.eval.runner.plan_units`), builds each (task, context)'s examples once,
+runs the units in priority order and writes, under ``--out``:
+
+- ``examples/<task>_<context>.json``: the recorded selection (files, sha256, lines, Python);
+- ``runs/<unit>.json``: one unit's raw results (every prediction, per-example scores, timing,
+  config, machine, command, date);
+- ``results.json``, ``README.md``, plots: the merged report (:mod:`herald.eval.report`).
+
+Work can be split (``--part K/N`` takes every N-th unit) and bounded (``--time-limit``: no unit is
+started that would not finish in time, judged by the slowest unit so far); finished units are
+skipped on a rerun with the same ``--out``, so rerunning continues. ``--report`` only rewrites
+the report from the results already under ``--out`` (parts copied into sub-folders merge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.eval.recall import AnalysisConfig
+from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
+from herald.eval.tasks import TASKS, TaskConfig
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part must look like K/N, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--part K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand to ``herald``'s subparsers; it dispatches through
+    ``set_defaults(handler=cmd_eval)``."""
+    p = subparsers.add_parser(
+        "eval",
+        help="long-context accuracy of dense / mage / infinigen / herald (tables, plots)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny-sdar", help="checkpoint directory or preset name")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--report", action="store_true", help="only rewrite the report from --out")
+    p.add_argument("--task", nargs="+", choices=TASKS, default=list(TASKS))
+    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[m for m in MODES if m != "control"],
+        default=["dense", "mage", "infinigen", "herald"],
+    )
+    p.add_argument("--budgets", nargs="+", type=float, default=list(DEFAULT_BUDGETS))
+    p.add_argument("-n", "--num-examples", type=int, default=64, help="examples per task/context")
+    p.add_argument("--batch-size", type=int, default=16, help="requests decoding at once")
+    p.add_argument("--threshold", type=float, default=0.95, help="confidence threshold")
+    p.add_argument("--steps", type=int, default=None, help="fixed denoising steps per block")
+    p.add_argument("--control-tokens", type=int, default=512, help="no-context control window")
+    p.add_argument("--no-control", action="store_true", help="skip the no-context control")
+    p.add_argument("--min-distance", type=int, default=2000, help="recall: tokens def -> use")
+    p.add_argument("--infile-tokens", type=int, default=1024, help="line: in-file prefix cap")
+    p.add_argument("--seed", type=int, default=0, help="example selection seed")
+    p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")
+    p.add_argument(
+        "--analysis-examples", type=int, default=8, help="Fig. 7/9 analysis examples (0 = off)"
+    )
+    p.add_argument("--analysis-blocks", type=int, default=4, help="blocks decoded per example")
+    p.add_argument("--oracle-budget", type=float, default=0.025, help="oracle k as a budget")
+    p.add_argument("--part", type=_part, default=(1, 1), help="run every N-th unit from K: K/N")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds; then stop cleanly")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.set_defaults(handler=cmd_eval)
+    return p
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda given but no CUDA GPU is available")
+    return dev
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.num_examples < 1 or args.batch_size < 1:
+        raise ValueError("--num-examples and --batch-size must be >= 1")
+    if any(not 0.0 < b <= 1.0 for b in args.budgets):
+        raise ValueError(f"--budgets must lie in (0, 1], got {args.budgets}")
+    if any(c <= args.control_tokens for c in args.contexts):
+        raise ValueError(f"every context must exceed --control-tokens {args.control_tokens}")
+    if "recall" in args.task and min(args.contexts) < args.min_distance + 64:
+        raise ValueError(
+            f"recall needs contexts >= --min-distance + 64 ({args.min_distance + 64}); "
+            "lower --min-distance for short contexts"
+        )
+
+
+def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    info = {
+        "name": str(args.model),
+        "architecture": config.architecture,
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "block_size": config.block_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "random_weights": bool(config.hf_config.get("herald_random_weights"))
+        or not Path(args.model).is_dir(),
+    }
+    cfg_file = Path(args.model) / "config.json"
+    if cfg_file.is_file():
+        info["config_sha256"] = hashlib.sha256(cfg_file.read_bytes()).hexdigest()
+    return info
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from herald.eval.report import write_report
+
+    out: Path = args.out
+    if args.report:
+        print(f"wrote {write_report(out)}")
+        return 0
+    _check(args)
+    from tqdm import tqdm
+
+    from herald.bench.common import command_line, machine_info
+    from herald.eval.recall import run_analysis
+    from herald.eval.runner import run_unit
+    from herald.eval.sources import Corpus, fingerprint
+    from herald.eval.tasks import build_examples, selection_hash
+    from herald.models.loader import load_model
+
+    device = _device(args.device)
+    torch.manual_seed(0)
+    model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
+    dcfg = DecodeConfig(
+        threshold=args.threshold,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        control_tokens=args.control_tokens,
+        selection_threads=args.selection_threads,
+    )
+    tcfg = TaskConfig(
+        seed=args.seed,
+        control_tokens=args.control_tokens,
+        infile_tokens=args.infile_tokens,
+        min_distance=args.min_distance,
+    )
+    acfg = AnalysisConfig(
+        oracle_budget=args.oracle_budget,
+        num_blocks=args.analysis_blocks,
+        num_examples=args.analysis_examples,
+    )
+    info = _model_info(args, config)
+    if info["random_weights"]:
+        print(f"NOTE: '{args.model}' has RANDOM weights: scores are noise.", file=sys.stderr)
+    units = plan_units(
+        args.task,
+        args.contexts,
+        args.modes,
+        args.budgets,
+        control=not args.no_control,
+        analysis=args.analysis_examples > 0,
+    )
+    k, n = args.part
+    units = units[k - 1 :: n]
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (out / "examples").mkdir(exist_ok=True)
+    todo = [u for u in units if not (runs / f"{u.key}.json").is_file()]
+    print(
+        f"{len(units)} units in part {k}/{n}, {len(units) - len(todo)} already done",
+        file=sys.stderr,
+    )
+    corpus = Corpus(codec=tokenizer)
+    examples: dict[tuple[str, int], list[Any]] = {}
+    shared = {
+        "command": command_line(),
+        "machine": machine_info(),
+        "config": {
+            "model": info,
+            "decode": asdict(dcfg),
+            "tasks": asdict(tcfg),
+            "analysis": asdict(acfg),
+            "device": str(device),
+        },
+    }
+
+    def examples_for(task: str, context: int) -> list[Any]:
+        if (task, context) not in examples:
+            b = config.block_size
+            blocks = dcfg.line_blocks if task == "line" else dcfg.recall_blocks
+            limit = (config.max_position_embeddings - (blocks + 2) * b) // b * b
+            eff = min(context, limit)
+            if eff < context:
+                ctx_max = config.max_position_embeddings
+                msg = f"NOTE: {context}-token prompts cut to {eff} (model context {ctx_max})"
+                print(msg, file=sys.stderr)
+            t0 = time.perf_counter()
+            exs = build_examples(task, corpus, tokenizer, eff, args.num_examples, tcfg)
+            if not exs:
+                raise ValueError(f"no {task} example could be built at context {eff}")
+            sel = {
+                "task": task,
+                "context": context,
+                "effective_context": eff,
+                "selection_sha256": selection_hash(exs),
+                "corpus": corpus.describe(),
+                "tokenizer": {"sha256": fingerprint(tokenizer), "model": str(args.model)},
+                "task_config": asdict(tcfg),
+                "build_seconds": time.perf_counter() - t0,
+                "examples": [{"id": e.example_id, "target": e.target, **e.meta} for e in exs],
+            }
+            path = out / "examples" / f"{task}_{context}.json"
+            if path.is_file():
+                old = json.loads(path.read_text())["selection_sha256"]
+                new = selection_hash(exs)
+                if old != new:
+                    raise ValueError(
+                        f"{path} holds a different selection ({old[:12]} != {new[:12]}: another "
+                        "stdlib, tokenizer or seed); use a new --out"
+                    )
+            path.write_text(json.dumps(sel, indent=1) + "\n")
+            examples[(task, context)] = exs
+        return examples[(task, context)]
+
+    t_start = time.perf_counter()
+    slowest = 0.0
+    skipped: list[Unit] = []
+    bar = tqdm(todo, desc="units", unit="unit", file=sys.stderr)
+    for unit in bar:
+        elapsed = time.perf_counter() - t_start
+        if args.time_limit is not None and elapsed + 1.2 * slowest > args.time_limit:
+            skipped.append(unit)
+            continue
+        bar.set_postfix_str(unit.key)
+        t0 = time.perf_counter()
+        exs = examples_for(unit.task, unit.context)
+        if unit.mode == "analysis":
+            params = dcfg.params(unit.task, config.block_size)
+            res: dict[str, Any] = {
+                "unit": unit.key,
+                **asdict(unit),
+                "analysis": run_analysis(exs, model, config, params, acfg),
+                "selection_sha256": selection_hash(exs),
+            }
+        else:
+            res = run_unit(unit, exs, model, config, tokenizer, dcfg)
+        res.update(shared, date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        res["seconds_total"] = time.perf_counter() - t0
+        (runs / f"{unit.key}.json").write_text(json.dumps(res, indent=1) + "\n")
+        slowest = max(slowest, time.perf_counter() - t0)
+        if "metrics" in res:
+            m = res["metrics"]
+            msg = f"score {m['score']:.2f} (EM {m['em']:.3f}, ES {m['es']:.3f})"
+            bar.write(f"{unit.key}: {msg} in {res['seconds_total']:.1f} s")
+        else:
+            pairs = res["analysis"]["summary"]["num_pairs"]
+            bar.write(f"{unit.key}: {pairs} block pairs in {res['seconds_total']:.1f} s")
+    bar.close()
+    if skipped:
+        print(
+            f"time limit: {len(skipped)} unit(s) not started ({', '.join(u.key for u in skipped)});"
+            " rerun the same command with the same --out to continue",
+            file=sys.stderr,
+        )
+    if not args.no_report:
+        print(f"wrote {write_report(out)}")
+    return 0

@@ -1,0 +1,370 @@
+"""The evaluation report: merges every unit result under an output directory into
+``results.json`` (raw per-example numbers, summaries, provenance), ``README.md`` (Table I, Fig. 7
+and Fig. 9 analogs as tables, acceptance checks) and plots (``accuracy_<context>.png``,
+``fig7.png``, ``fig9.png``; matplotlib Agg, skipped with a note where it is not installed).
+
+Unit results are read from ``**/runs/*.json`` (parts of a run copied into sub-folders merge);
+a unit found twice keeps the newest. Example selections come from ``**/examples/*.json``.
+"""
+# ruff: noqa: E501  (markdown rows are clearer on one line)
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from herald.eval.metrics import HEADLINE
+from herald.eval.recall import VARIANTS, summarise
+from herald.eval.runner import OFFLOAD_MODES, OPERATING_BUDGET
+
+NEAR_LOSSLESS = 1.0
+"""Points of average score below dense that count as near-lossless (paper §VI-B)."""
+
+
+def collect(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(unit key -> result, "task_context" -> example selection) found under ``out``."""
+    units: dict[str, dict[str, Any]] = {}
+    for path in sorted(out.rglob("runs/*.json")):
+        res = json.loads(path.read_text())
+        key = res["unit"]
+        if key not in units or res.get("date_utc", "") > units[key].get("date_utc", ""):
+            units[key] = res
+    selections: dict[str, dict[str, Any]] = {}
+    for path in sorted(out.rglob("examples/*.json")):
+        sel = json.loads(path.read_text())
+        selections[f"{sel['task']}_{sel['context']}"] = sel
+    return units, selections
+
+
+def _bootstrap_diff(a: list[float], b: list[float], reps: int = 2000) -> tuple[float, float]:
+    """95% paired-bootstrap interval of mean(a) - mean(b) (seeded)."""
+    rng = random.Random(0)
+    n = len(a)
+    diffs = []
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        diffs.append(sum(a[i] - b[i] for i in idx) / n)
+    diffs.sort()
+    return diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
+
+
+def _per_example(res: dict[str, Any], metric: str) -> list[float]:
+    return [float(r[metric]) for r in res["examples"]]
+
+
+def _agreement(res: dict[str, Any], dense: dict[str, Any] | None) -> float | None:
+    if dense is None or res["selection_sha256"] != dense["selection_sha256"]:
+        return None
+    same = [
+        a["prediction"] == b["prediction"]
+        for a, b in zip(res["examples"], dense["examples"], strict=True)
+    ]
+    return sum(same) / len(same)
+
+
+def summary_table(units: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per context: rows (dense, control, mode@budget) x per-task metrics, the average of the
+    tasks' headline scores, its difference from dense, agreement with dense."""
+    contexts = sorted({u["context"] for u in units.values() if u["mode"] != "analysis"})
+    tasks = sorted({u["task"] for u in units.values() if u["mode"] != "analysis"})
+    out: dict[str, Any] = {}
+    for ctx in contexts:
+        rows: dict[str, dict[str, Any]] = {}
+        for u in units.values():
+            if u["context"] != ctx or u["mode"] == "analysis":
+                continue
+            label = u["mode"] if u["budget"] is None else f"{u['mode']}@{u['budget']:g}"
+            dense = units.get(f"{u['task']}_{ctx}_dense")
+            row = rows.setdefault(label, {"mode": u["mode"], "budget": u["budget"], "tasks": {}})
+            row["tasks"][u["task"]] = {
+                "em": 100 * u["metrics"]["em"],
+                "es": 100 * u["metrics"]["es"],
+                "score": u["metrics"]["score"],
+                "n": u["num_examples"],
+                "agreement": _agreement(u, dense),
+            }
+        for row in rows.values():
+            scores = [row["tasks"][t]["score"] for t in tasks if t in row["tasks"]]
+            row["avg"] = sum(scores) / len(scores) if len(scores) == len(tasks) else None
+        dense_avg = rows.get("dense", {}).get("avg")
+        for row in rows.values():
+            row["delta"] = (
+                row["avg"] - dense_avg if row["avg"] is not None and dense_avg is not None else None
+            )
+        out[str(ctx)] = rows
+    return {"contexts": contexts, "tasks": tasks, "rows": out}
+
+
+def _order(label: str) -> tuple[int, float]:
+    mode, _, budget = label.partition("@")
+    rank = {"dense": 0, "control": 1, "mage": 2, "infinigen": 3, "herald": 4}.get(mode, 9)
+    return rank, float(budget or 0)
+
+
+def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:
+    """The issue's acceptance checks, one markdown bullet each."""
+    lines = []
+    for ctx in table["contexts"]:
+        for task in table["tasks"]:
+            d, c = units.get(f"{task}_{ctx}_dense"), units.get(f"{task}_{ctx}_control")
+            if d is None or c is None or d["selection_sha256"] != c["selection_sha256"]:
+                continue
+            m = HEADLINE[task]
+            a, b = _per_example(d, m), _per_example(c, m)
+            lo, hi = _bootstrap_diff(a, b)
+            diff = 100 * (sum(a) - sum(b)) / len(a)
+            clear = "clearly above" if lo > 0 else "NOT clearly above"
+            lines.append(
+                f"- {ctx} tokens, {task} ({m.upper()}): dense {100 * sum(a) / len(a):.1f} vs control {100 * sum(b) / len(b):.1f}: "
+                f"{diff:+.1f} points, 95% paired bootstrap [{100 * lo:+.1f}, {100 * hi:+.1f}] -> {clear}"
+                + (" (acceptance applies at 8K+)" if ctx < 8192 else "")
+            )
+    for ctx in table["contexts"]:
+        rows = table["rows"][str(ctx)]
+        for mode in OFFLOAD_MODES:
+            cands = sorted(
+                (r["budget"], r["delta"])
+                for r in rows.values()
+                if r["mode"] == mode and r["delta"] is not None
+            )
+            if not cands:
+                continue
+            ok = [b for b, dlt in cands if dlt >= -NEAR_LOSSLESS]
+            op = OPERATING_BUDGET[mode]
+            at_op = next((dlt for b, dlt in cands if math.isclose(b, op)), None)
+            op_txt = (
+                f"{at_op:+.2f} at its operating budget {op:g}"
+                if at_op is not None
+                else "operating budget not run"
+            )
+            first = (
+                f"within {NEAR_LOSSLESS:g} point of dense from budget {min(ok):g}"
+                if ok
+                else f"never within {NEAR_LOSSLESS:g} point of dense in {[b for b, _ in cands]}"
+            )
+            lines.append(f"- {ctx} tokens, {mode}: average {op_txt}; {first}")
+    return lines
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(
+    units: dict[str, dict[str, Any]], selections: dict[str, Any], analysis: dict[str, Any] | None
+) -> str:
+    table = summary_table(units)
+    any_unit = next(iter(units.values()))
+    cfg = any_unit.get("config", {})
+    lines = [
+        "# herald eval: long-context accuracy (issue 6)",
+        "",
+        f"Model: `{cfg.get('model', {}).get('name', '?')}` ({cfg.get('model', {}).get('architecture', '?')}); "
+        f"commands: "
+        + ", ".join(sorted({f"`{u.get('command', '?')}`" for u in units.values()}))
+        + ".",
+        f"Machine: {any_unit.get('machine', {}).get('gpu', 'CPU')} / {any_unit.get('machine', {}).get('cpu_model', '?')}; "
+        f"dates {min(u.get('date_utc', '') for u in units.values())} .. {max(u.get('date_utc', '') for u in units.values())}.",
+        "",
+        "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
+        "with sha256 of every file): **line** = RepoBench-P-style next-line completion (cross-file context + in-file "
+        "prefix; EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
+        "use of an identifier defined thousands of tokens earlier and absent from the last "
+        f"{cfg.get('decode', {}).get('control_tokens', 512)} tokens (headline = EM). **control** = dense on only the "
+        f"last {cfg.get('decode', {}).get('control_tokens', 512)} prompt tokens. Avg = mean of the headline scores; "
+        "Δ = Avg - dense; agree = % of predictions identical to dense's.",
+        "",
+    ]
+    for ctx in table["contexts"]:
+        rows = table["rows"][str(ctx)]
+        head = (
+            "| method |"
+            + "".join(f" {t} EM | {t} ES | {t} agree |" for t in table["tasks"])
+            + " Avg (Δ) | n |"
+        )
+        lines += [
+            f"## Table I analog: {ctx}-token contexts",
+            "",
+            head,
+            "|" + " --- |" * (3 * len(table["tasks"]) + 3),
+        ]
+        for label in sorted(rows, key=_order):
+            r = rows[label]
+            cells = ""
+            for t in table["tasks"]:
+                c = r["tasks"].get(t)
+                if c is None:
+                    cells += " - | - | - |"
+                    continue
+                agree = None if c["agreement"] is None else 100 * c["agreement"]
+                cells += f" {_fmt(c['em'])} | {_fmt(c['es'])} | {_fmt(agree, '.0f')} |"
+            n = max((c["n"] for c in r["tasks"].values()), default=0)
+            bold = (
+                "**"
+                if label in ("dense",)
+                or any(label == f"{m}@{b:g}" for m, b in OPERATING_BUDGET.items())
+                else ""
+            )
+            avg = (
+                "-"
+                if r["avg"] is None
+                else f"{r['avg']:.2f}"
+                + ("" if r["delta"] is None or label == "dense" else f" ({r['delta']:+.2f})")
+            )
+            lines.append(f"| {bold}{label}{bold} |{cells} {avg} | {n} |")
+        lines.append("")
+    lines += ["## Acceptance checks", "", *acceptance(units, table), ""]
+    if analysis is not None and analysis["summary"]["num_pairs"]:
+        lines += _analysis_markdown(analysis)
+    lines += [
+        "## Selection",
+        "",
+        "| task | context | examples | prompt tokens (mean) | selection sha256 | Python |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for _key, sel in sorted(selections.items()):
+        ex = sel["examples"]
+        mean = sum(e["prompt_tokens"] for e in ex) / max(1, len(ex))
+        lines.append(
+            f"| {sel['task']} | {sel['context']} | {len(ex)} | {mean:.0f} | `{sel['selection_sha256'][:16]}` | {sel['corpus']['python']} |"
+        )
+    lines += [
+        "",
+        "Raw numbers: `results.json` (per-example scores and predictions in `runs/*.json`).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
+    s, cfg = analysis["summary"], analysis["config"]
+    ob = f"{cfg['oracle_budget']:g}"
+    lines = [
+        "## Fig. 7 analog: block n omitted / drafted / completed",
+        "",
+        f"Recall of block n+1's representative-query selection against the per-step oracle at k = k_o "
+        f"(budget {ob} of the context), per (block pair, offloaded layer), bucketed by the recall with block n omitted; "
+        f"{s['num_pairs']} block pairs from units {', '.join(analysis['units'])}.",
+        "",
+        "| omitted recall | count | omitted | drafted | completed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for b in s["fig7"]:
+        lines.append(
+            f"| [{b['bucket'][0]:.1f}, {b['bucket'][1]:.1f}) | {b['count']} | {_fmt(b['rep_omitted'], '.3f')} | {_fmt(b['rep_draft'], '.3f')} | {_fmt(b['rep_completed'], '.3f')} |"
+        )
+    mean = s["mean"]
+    budgets = sorted({x for v in mean.values() for x in v}, key=float)
+    lines += [
+        "",
+        "## Fig. 9 analog: recall vs selection budget (oracle k at budget " + ob + ")",
+        "",
+        "| variant | " + " | ".join(budgets) + " |",
+        "|" + " --- |" * (len(budgets) + 1),
+    ]
+    for v, label in VARIANTS.items():
+        if v in mean:
+            lines.append(
+                f"| {label} | " + " | ".join(_fmt(mean[v].get(x), ".3f") for x in budgets) + " |"
+            )
+    base = mean.get("block_completed", {}).get(ob)
+    if base is not None:
+        lines += [
+            "",
+            f"MAGE at its base budget {ob}: recall {base:.3f}. Budget at which each variant first reaches it:",
+            "",
+        ]
+        for v in ("rep_completed", "block_draft", "rep_draft", "rep_draft_selected", "proxy"):
+            if v in mean:
+                hit = [float(x) for x in budgets if mean[v].get(x, -1) >= base]
+                txt = (
+                    f"{min(hit):g} ({min(hit) / float(ob):.2f}x)"
+                    if hit
+                    else "not within the budgets swept"
+                )
+                lines.append(f"- {VARIANTS[v]}: {txt}")
+    lines.append("")
+    return lines
+
+
+def pooled_analysis(units: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Every analysis unit's pairs pooled (same oracle budget assumed; the first unit's)."""
+    found = [u for u in units.values() if u["mode"] == "analysis"]
+    if not found:
+        return None
+    cfg = found[0]["analysis"]["config"]
+    pairs = [p for u in found for p in u["analysis"]["pairs"]]
+    return {
+        "units": [u["unit"] for u in found],
+        "config": cfg,
+        "summary": summarise(pairs, cfg["oracle_budget"]),
+    }
+
+
+def write_report(out: Path) -> Path:
+    """Write ``results.json``, ``README.md`` and the plots into ``out``; returns the README path.
+
+    Raises:
+        FileNotFoundError: no unit result under ``out``.
+    """
+    units, selections = collect(out)
+    if not units:
+        raise FileNotFoundError(f"no unit results (runs/*.json) under {out}")
+    analysis = pooled_analysis(units)
+    table = summary_table(units)
+    results = {
+        "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commands": sorted({u.get("command", "") for u in units.values()}),
+        "machines": list(
+            {
+                json.dumps(u.get("machine", {}), sort_keys=True): u.get("machine", {})
+                for u in units.values()
+            }.values()
+        ),
+        "table": table,
+        "acceptance": acceptance(units, table),
+        "analysis": analysis,
+        "units": {
+            k: {
+                **{
+                    f: u.get(f)
+                    for f in (
+                        "task",
+                        "context",
+                        "mode",
+                        "budget",
+                        "num_examples",
+                        "metrics",
+                        "selection_sha256",
+                        "timing",
+                        "date_utc",
+                        "command",
+                    )
+                },
+                **(
+                    {
+                        "em": [r["em"] for r in u["examples"]],
+                        "es": [round(r["es"], 4) for r in u["examples"]],
+                    }
+                    if "examples" in u
+                    else {}
+                ),
+            }
+            for k, u in sorted(units.items())
+        },
+        "selections": {
+            k: {f: v[f] for f in ("selection_sha256", "corpus", "tokenizer", "task_config")}
+            for k, v in selections.items()
+        },
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    from herald.eval.plots import write_plots
+
+    notes = write_plots(out, table, analysis)
+    readme = out / "README.md"
+    readme.write_text(markdown(units, selections, analysis) + "".join(f"\n{n}\n" for n in notes))
+    return readme
