@@ -1,0 +1,134 @@
+"""``herald train``: the training subcommand (registered by :mod:`herald.cli`).
+
+Imports only argparse-level things at module load; the trainer (and the corpus scan) load when the
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from herald.train.config import ModelDims, TrainConfig
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``train`` subcommand to ``subparsers`` (an argparse sub-parsers action); the parsed
+    namespace carries ``handler`` = :func:`cmd_train`."""
+    d, m = TrainConfig(out_dir=Path(".")), ModelDims()
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "train",
+        help="train a small SDAR block dLLM on this interpreter's third-party Python sources",
+        description="Train an SDARForCausalLM block dLLM from scratch (or continue one) with the "
+        "block-diffusion objective on the .py files of the installed third-party packages "
+        "(the standard library is held out). Writes an HF checkpoint, a resume state and a "
+        "JSON log.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--state-file", type=Path, default=None, help="default: OUT/../train_state.json")
+    p.add_argument("--log-file", type=Path, default=None, help="default: OUT/../train_log.json")
+    p.add_argument("--work-dir", type=Path, default=d.work_dir, help="token-stream cache")
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint directory to continue")
+    p.add_argument("--resume-state", type=Path, default=None, help="its train_state.json")
+    p.add_argument(
+        "--optimizer-file",
+        type=Path,
+        default=None,
+        help="save fp32 weights + AdamW moments here (and restore them on --resume)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument(
+        "--total-steps", type=int, default=None, help="cosine horizon (default: fit the budget)"
+    )
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument(
+        "--max-minutes", type=float, default=d.max_minutes, help="wall budget of the command"
+    )
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--loss-weighting", choices=["mean", "elbo"], default=d.loss_weighting)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb)
+    p.add_argument("--hidden-size", type=int, default=m.hidden_size)
+    p.add_argument("--num-layers", type=int, default=m.num_layers)
+    p.add_argument("--num-heads", type=int, default=m.num_heads)
+    p.add_argument("--num-kv-heads", type=int, default=m.num_kv_heads)
+    p.add_argument("--head-dim", type=int, default=m.head_dim)
+    p.add_argument("--intermediate-size", type=int, default=m.intermediate_size)
+    p.add_argument("--max-checkpoint-mb", type=float, default=d.max_checkpoint_mb)
+    p.add_argument("--max-shard-mb", type=float, default=d.max_shard_mb)
+    p.add_argument("--no-compile", action="store_true", help="eager model on CUDA")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument(
+        "--site-dir", type=Path, action="append", default=None, help="third-party root (repeat)"
+    )
+    p.add_argument(
+        "--stdlib-dir", type=Path, action="append", default=None, help="held-out stdlib root"
+    )
+    p.add_argument("--workers", type=int, default=d.workers, help="scan processes (0 = all)")
+    p.add_argument("--val-windows", type=int, default=d.val_windows)
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.set_defaults(handler=cmd_train)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``herald train`` arguments."""
+    dims = ModelDims(
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+    )
+    return TrainConfig(
+        out_dir=args.out,
+        state_file=args.state_file,
+        log_file=args.log_file,
+        work_dir=args.work_dir,
+        resume=args.resume,
+        resume_state=args.resume_state,
+        optimizer_file=args.optimizer_file,
+        seed=args.seed,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.total_steps,
+        max_steps=args.max_steps,
+        max_minutes=args.max_minutes,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        loss_weighting=args.loss_weighting,
+        log_every=args.log_every,
+        vocab_size=args.vocab_size,
+        tokenizer_sample_mb=args.tokenizer_sample_mb,
+        dims=dims,
+        max_checkpoint_mb=args.max_checkpoint_mb,
+        max_shard_mb=args.max_shard_mb,
+        compile=not args.no_compile,
+        device=args.device,
+        site_dirs=args.site_dir,
+        stdlib_dirs=args.stdlib_dir,
+        workers=args.workers,
+        val_windows=args.val_windows,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run :func:`herald.train.trainer.train`; returns the exit code (0)."""
+    from herald.train.trainer import train
+
+    cfg = config_from_args(args)
+    if cfg.resume is not None and not cfg.resume.is_dir():
+        raise FileNotFoundError(f"--resume {cfg.resume} is not a directory")
+    train(cfg)
+    return 0

@@ -1,0 +1,170 @@
+"""Training configuration: the model's shape and the run's hyper-parameters.
+
+:class:`ModelDims` is the default code model, an ``SDARForCausalLM`` (Qwen3-style, QK-norm,
+SwiGLU, full RoPE) small enough to live in the repo: vocab 8192, hidden 384, 8 layers, 8 query
+heads sharing 2 KV heads (4 per KV head, like SDAR-8B and LLaDA2.0-mini) of 64 dims, SwiGLU 832,
+tied input/output embeddings (the Qwen3 ``tie_word_embeddings`` switch, which the small Qwen3
+configs use; SDAR-8B unties them), RoPE theta 1e6 as SDAR, ``max_position_embeddings`` 32768.
+That is 14.76 M parameters, 29.5 MB in bf16.
+
+:class:`TrainConfig` holds everything else; its attribute docstrings are the ``herald train``
+help texts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from herald.models.config import SDAR_ARCH, ModelConfig
+from herald.models.registry import weight_specs
+from herald.train.objective import LossWeighting
+from herald.train.tokenizer_train import EOS_ID, MASK_ID, PAD_ID
+
+BLOCK_SIZE = 32
+DEFAULT_MAX_CHECKPOINT_MB = 30.0
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shape of a fresh model (ignored on ``--resume``: the checkpoint's config wins)."""
+
+    hidden_size: int = 384
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 832
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+
+
+def model_config(dims: ModelDims, vocab_size: int, block_size: int = BLOCK_SIZE) -> ModelConfig:
+    """The :class:`ModelConfig` (and its HF ``config.json`` dict) of an SDAR model of ``dims``
+    with the trained tokenizer's special ids (EOS 0, pad 1, mask 2).
+
+    Raises:
+        ConfigError: inconsistent dims (e.g. heads not a multiple of KV heads).
+    """
+    hf: dict[str, Any] = {
+        "architectures": [SDAR_ARCH],
+        "model_type": "sdar",
+        "hidden_size": dims.hidden_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
+        "intermediate_size": dims.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": dims.max_position_embeddings,
+        "rope_theta": dims.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": dims.tie_word_embeddings,
+        "attention_bias": False,
+        "initializer_range": dims.initializer_range,
+        "bos_token_id": None,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "mask_token_id": MASK_ID,
+        "eos_token_ids": [EOS_ID],
+        "block_size": block_size,
+        "torch_dtype": "bfloat16",
+    }
+    return ModelConfig.from_hf(hf)
+
+
+def count_params(config: ModelConfig) -> int:
+    """Parameters in the checkpoint of ``config`` (tied embeddings counted once)."""
+    return sum(spec.numel for spec in weight_specs(config))
+
+
+def check_checkpoint_size(config: ModelConfig, max_mb: float) -> int:
+    """bf16 checkpoint bytes of ``config``.
+
+    Raises:
+        ValueError: more than ``max_mb`` * 1e6 bytes.
+    """
+    nbytes = 2 * count_params(config)
+    if nbytes > max_mb * 1e6:
+        raise ValueError(
+            f"model has {count_params(config) / 1e6:.2f} M parameters = {nbytes / 1e6:.1f} MB in "
+            f"bf16, over the {max_mb:g} MB checkpoint budget; shrink the dims"
+        )
+    return nbytes
+
+
+@dataclass
+class TrainConfig:
+    """One ``herald train`` run."""
+
+    out_dir: Path
+    """Checkpoint directory to write (config.json, safetensors, tokenizer files)."""
+    state_file: Path | None = None
+    """Resume state to write (default: ``<out_dir>/../train_state.json``)."""
+    log_file: Path | None = None
+    """Final JSON log (default: ``<out_dir>/../train_log.json``)."""
+    work_dir: Path = Path("/tmp/herald-train")
+    """Cache directory for the tokenized corpus (uint16 memmaps)."""
+    resume: Path | None = None
+    """Checkpoint directory to continue from (its config and tokenizer are kept)."""
+    resume_state: Path | None = None
+    """State file of the run being continued (default: next to or inside ``resume``)."""
+    optimizer_file: Path | None = None
+    """Where to save AdamW's moments at the end and read them on resume (optional; ~4x the
+    checkpoint, so not in the repo). Without it a resumed run restarts the moments."""
+    seed: int = 0
+    """Seed of everything: data order, tokenizer sample, init, noise."""
+    seq_len: int = 8192
+    """Tokens per training window (a multiple of the block size)."""
+    batch_size: int = 4
+    """Windows per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor, as a fraction of ``lr``."""
+    warmup_steps: int = 100
+    """Linear warm-up steps at the start of every run (fresh or resumed)."""
+    total_steps: int | None = None
+    """Cosine horizon of this run; default: calibrated after the first steps to fit
+    ``max_minutes`` (the value used is logged and saved)."""
+    max_steps: int | None = None
+    """Stop this run after this many steps."""
+    max_minutes: float = 8.0
+    """Wall budget of the whole command (data, tokenizer, compile, training, save), minutes."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    noise_eps: float = 1e-3
+    """Per-block mask ratio t ~ U(noise_eps, 1)."""
+    loss_weighting: LossWeighting = "mean"
+    """'mean': mean CE over masked tokens; 'elbo': sum(CE / t) / tokens."""
+    log_every: int = 20
+    """Progress line every N steps."""
+    vocab_size: int = 8192
+    """BPE vocabulary, special tokens included (fresh runs)."""
+    tokenizer_sample_mb: float = 48.0
+    """MB of documents the BPE is trained on (seeded sample)."""
+    dims: ModelDims = field(default_factory=ModelDims)
+    max_checkpoint_mb: float = DEFAULT_MAX_CHECKPOINT_MB
+    """Refuse model shapes whose bf16 checkpoint is larger."""
+    max_shard_mb: float = 15.0
+    """Split model.safetensors into shards of at most this many MiB (device output files are
+    capped at 16 MiB each)."""
+    compile: bool = True
+    """torch.compile the model + flex_attention + loss on CUDA."""
+    device: str | None = None
+    """cuda or cpu (default: cuda when available)."""
+    site_dirs: list[Path] | None = None
+    """Third-party roots to read (default: this interpreter's site directories)."""
+    stdlib_dirs: list[Path] | None = None
+    """Standard-library roots, held out (default: this interpreter's)."""
+    workers: int = 0
+    """Processes for the corpus scan (0 = all cores)."""
+    val_windows: int = 8
+    """Held-out stdlib windows for the final validation loss (0 = skip)."""

@@ -1,0 +1,479 @@
+"""The training loop: data, model, AdamW, schedule, wall budget, checkpoint and logs.
+
+One call of :func:`train` is one *run*: it prepares the data (:mod:`herald.train.data`), builds a
+fresh model or loads ``--resume``, trains until ``max_steps`` or the wall budget, evaluates the
+held-out stdlib windows, and writes the checkpoint (:mod:`herald.train.checkpoint`), the resume
+state and a JSON log. Runs continue one another through the resume state: global step, tokens
+seen and the data position carry over; the learning-rate schedule is per run (linear warm-up, then
+cosine to ``min_lr_ratio * lr`` over the run's horizon), so a resumed run re-warms its fresh (or
+reloaded) AdamW moments.
+
+Precision: float32 master weights, bf16 autocast on CUDA (q/k/v cast to bf16 for flex_attention),
+float32 logits and loss. On CUDA the model, flex_attention and the loss are compiled as one
+module; on CPU (tests) everything runs eagerly with the dense mask.
+
+Reproducibility: python/numpy/torch seeded from ``seed``; the noise of global step ``s`` comes from
+a generator seeded with ``(seed, s)``; the data order from ``(seed, epoch)``. With the optimizer
+file (float32 weights and AdamW moments) and a constant learning rate, a run of 2N steps and a run
+of N steps resumed for N more give the same weights on CPU (tests/train/test_trainer.py). Without
+it, a resumed run starts from the checkpoint's bf16 weights with fresh moments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+
+from herald.models.common import DecoderLM
+from herald.models.config import ModelConfig
+from herald.models.loader import hf_config_dict, load_model
+from herald.models.registry import build_model
+from herald.train.checkpoint import find_resume_state, read_json, save_checkpoint, write_json
+from herald.train.config import (
+    TrainConfig,
+    check_checkpoint_size,
+    count_params,
+    model_config,
+)
+from herald.train.data import PreparedData, WindowSampler, prepare_data
+from herald.train.objective import (
+    BlockDiffusionLoss,
+    DenseDiffusionAttention,
+    FlexDiffusionAttention,
+    check_flex_matches_dense,
+    dense_block_diffusion_mask,
+    flex_block_mask,
+    loss_weights,
+    sample_noise,
+)
+from herald.train.tokenizer_train import as_herald_tokenizer
+
+CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
+RESERVE_S = 25.0  # wall time kept for validation and the save
+VAL_SEED = 1234
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int | None) -> float:
+    """Learning rate of run step ``step`` (0-based): linear warm-up over ``warmup_steps``, then
+    cosine from ``lr`` to ``min_lr_ratio * lr`` at ``total`` (held after; peak while ``total`` is
+    unknown)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if total is None:
+        return cfg.lr
+    span = max(1, total - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * frac))
+
+
+def noise_generator(device: torch.device, seed: int, step: int) -> torch.Generator:
+    """The generator of global step ``step``'s noise (independent of run boundaries)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + step) % (2**63))
+    return gen
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _optimizer(model: DecoderLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():  # tied lm_head appears once, as embed_tokens
+        (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
+    )
+
+
+class Run:
+    """State of one run (see the module docstring); :func:`train` drives it."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + 60.0 * cfg.max_minutes
+        self.state: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self.timings: dict[str, float] = {}
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.seed)
+        resume_backend: tokenizers.Tokenizer | None = None
+        if cfg.resume is not None:
+            tok_file = cfg.resume / "tokenizer.json"
+            if not tok_file.is_file():
+                raise FileNotFoundError(f"--resume {cfg.resume} has no tokenizer.json")
+            resume_backend = tokenizers.Tokenizer.from_file(str(tok_file))
+            state_file = find_resume_state(cfg.resume, cfg.resume_state)
+            self.state = read_json(state_file) if state_file else {}
+            if state_file is None:
+                self.log(f"WARNING: no train_state.json for {cfg.resume}: data position 0")
+        workers = cfg.workers or os.cpu_count() or 1
+        # NOTE: the scan forks worker processes: it must run before CUDA is initialised.
+        self.data: PreparedData = prepare_data(
+            seed=cfg.seed,
+            seq_len=cfg.seq_len,
+            work_dir=cfg.work_dir,
+            backend=resume_backend,
+            vocab_size=cfg.vocab_size,
+            tokenizer_sample_bytes=int(cfg.tokenizer_sample_mb * 1e6),
+            val_windows=cfg.val_windows,
+            site_dirs=cfg.site_dirs,
+            stdlib_dirs=cfg.stdlib_dirs,
+            workers=workers,
+            log=self.log,
+        )
+        self.tokenizer = as_herald_tokenizer(self.data.backend)
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        old = self.state.get("data_manifest_sha256")
+        if old is not None and old != self.data.manifest["contents_sha256"]:
+            self.log("WARNING: the corpus differs from the resumed run's; data order differs")
+        position = int(self.state.get("data_position", 0))
+        old_len = int(self.state.get("seq_len", cfg.seq_len))
+        position = position * old_len // cfg.seq_len
+        self.sampler = WindowSampler(self.data.stream, cfg.seq_len, cfg.seed, position)
+        self.global_step = int(self.state.get("global_step", 0))
+        self.tokens_seen = int(self.state.get("tokens_seen", 0))
+        self._build_model()
+
+    def _build_model(self) -> None:
+        cfg, dev = self.cfg, self.device
+        if cfg.resume is not None:
+            model, config, _ = load_model(cfg.resume, device=dev, dtype=torch.float32)
+        else:
+            config = model_config(cfg.dims, self.data.backend.get_vocab_size())
+            check_checkpoint_size(config, cfg.max_checkpoint_mb)
+            model = build_model(config, dev, torch.float32, seed=cfg.seed)
+        if cfg.seq_len % config.block_size:
+            raise ValueError(f"--seq-len {cfg.seq_len} is not a multiple of {config.block_size}")
+        if cfg.seq_len > config.max_position_embeddings:
+            raise ValueError(f"--seq-len exceeds max_position_embeddings of {config}")
+        self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
+        self.config: ModelConfig = config
+        self.model: DecoderLM = model
+        model.requires_grad_(True)
+        model.train()
+        self.optimizer = _optimizer(model, cfg, dev)
+        opt_file = cfg.optimizer_file
+        if opt_file is not None and cfg.resume is not None and opt_file.is_file():
+            saved = torch.load(opt_file, map_location=dev, weights_only=True)
+            if int(saved.get("global_step", -1)) == self.global_step:
+                model.load_state_dict(saved["model"])
+                self.optimizer.load_state_dict(saved["optimizer"])
+                self.log(f"float32 weights and AdamW moments restored from {opt_file}")
+            else:
+                self.log(f"WARNING: {opt_file} is from another step; fresh moments")
+        self.log(
+            f"model: SDARForCausalLM {count_params(config) / 1e6:.2f} M params "
+            f"({self.checkpoint_bytes / 1e6:.1f} MB bf16), hidden {config.hidden_size}, "
+            f"{config.num_layers} layers, {config.num_heads}q/{config.num_kv_heads}kv heads x "
+            f"{config.head_dim}, vocab {config.vocab_size}, block {config.block_size}; "
+            f"{'resumed from ' + str(cfg.resume) if cfg.resume else 'fresh init'}; "
+            f"global step {self.global_step}, {self.tokens_seen / 1e6:.1f} M tokens seen"
+        )
+        self._build_loss()
+
+    def _build_loss(self) -> None:
+        cfg, dev, config = self.cfg, self.device, self.config
+        if dev.type == "cuda":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            t = time.perf_counter()
+            err = check_flex_matches_dense(dev, block_size=config.block_size)
+            self.log(f"flex_attention vs dense mask (bf16, L=1024): max |diff| {err:.4f}")
+            if not err < 0.05:
+                raise RuntimeError(f"flex_attention disagrees with the dense mask ({err})")
+            self.timings["flex_check_s"] = time.perf_counter() - t
+            kernel = torch.compile(flex_attention)
+            attn: Any = FlexDiffusionAttention(
+                flex_block_mask(cfg.seq_len, config.block_size, dev), torch.bfloat16, kernel
+            )
+        else:
+            attn = DenseDiffusionAttention(
+                dense_block_diffusion_mask(cfg.seq_len, config.block_size)
+            )
+        self.loss_module = BlockDiffusionLoss(self.model, attn)
+        self.loss_fn: Callable[..., torch.Tensor] = self.loss_module
+        if cfg.compile and dev.type == "cuda":
+            self.loss_fn = torch.compile(self.loss_module)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _to_device(self, batch: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(batch)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _loss(self, clean: torch.Tensor, step: int, weighting: str, seed: int) -> torch.Tensor:
+        gen = noise_generator(self.device, seed, step)
+        noisy, masked, t = sample_noise(
+            clean,
+            self.config.block_size,
+            self.config.mask_token_id,
+            eps=self.cfg.noise_eps,
+            generator=gen,
+        )
+        weights, norm = loss_weights(masked, t, weighting)  # type: ignore[arg-type]
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda"):
+            total = self.loss_fn(noisy, clean, weights)
+        return total / norm
+
+    def train_step(self, run_step: int, total: int | None) -> torch.Tensor:
+        """One optimizer step; returns the loss (0-dim, on the device, not synchronised). A
+        compiler failure on the first step falls back to the eager module and redoes the step."""
+        position = self.sampler.position
+        try:
+            return self._train_step(run_step, total)
+        except Exception as e:
+            if self.loss_fn is self.loss_module or run_step > 0:
+                raise
+            self.log(f"WARNING: compiled step failed ({type(e).__name__}: {e}); running eager")
+            self.loss_fn = self.loss_module
+            self.optimizer.zero_grad(set_to_none=True)
+            self.sampler.position = position
+            return self._train_step(run_step, total)
+
+    def _train_step(self, run_step: int, total: int | None) -> torch.Tensor:
+        cfg = self.cfg
+        clean = self._to_device(self.sampler.next_batch(cfg.batch_size))
+        lr = lr_at(run_step, cfg, total)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self._loss(clean, self.global_step, cfg.loss_weighting, cfg.seed)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.tokens_seen += clean.numel()
+        self._last_lr = lr
+        self._last_grad_norm = grad_norm
+        return loss.detach()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def loop(self) -> dict[str, Any]:
+        cfg = self.cfg
+        total = cfg.total_steps or cfg.max_steps
+        step_times: list[float] = []
+        losses: list[torch.Tensor] = []
+        run_step = 0
+        t_train = time.monotonic()
+        t_mark, mark_step, mark_tokens = t_train, 0, self.tokens_seen
+        final_loss = float("nan")
+        while True:
+            if cfg.max_steps is not None and run_step >= cfg.max_steps:
+                break
+            est = float(np.mean(step_times[-20:])) if step_times else 0.0
+            if time.monotonic() + 1.5 * est + RESERVE_S > self.deadline:
+                if run_step == 0:
+                    self.log("WARNING: no time left for a single step")
+                break
+            t_step = time.monotonic()
+            losses.append(self.train_step(run_step, total))
+            run_step += 1
+            if run_step <= CALIBRATION_STEPS + 2:
+                self._sync()  # time the first steps one by one (the first ones compile)
+                step_times.append(time.monotonic() - t_step)
+                if run_step == 1:
+                    self.timings["first_step_s"] = step_times[0]
+                if run_step == CALIBRATION_STEPS + 2 and cfg.total_steps is None:
+                    per_step = float(np.mean(step_times[2:]))
+                    left = self.deadline - time.monotonic() - RESERVE_S
+                    fit = run_step + max(1, int(left / per_step))
+                    total = min(fit, cfg.max_steps) if cfg.max_steps else fit
+                    self.log(f"schedule: {per_step * 1e3:.0f} ms/step -> {total} steps this run")
+            if run_step % cfg.log_every == 0 or run_step == cfg.max_steps:
+                mean = float(torch.stack(losses).mean())
+                losses.clear()
+                if not math.isfinite(mean):
+                    raise RuntimeError(f"loss is {mean} at global step {self.global_step}")
+                now = time.monotonic()
+                n = run_step - mark_step
+                if n > 0 and run_step > CALIBRATION_STEPS + 2:
+                    step_times.append((now - t_mark) / n)
+                rate = (self.tokens_seen - mark_tokens) / max(now - t_mark, 1e-9)
+                t_mark, mark_step, mark_tokens = now, run_step, self.tokens_seen
+                final_loss = mean
+                entry = {
+                    "step": self.global_step,
+                    "loss": round(mean, 4),
+                    "lr": self._last_lr,
+                    "grad_norm": round(float(self._last_grad_norm), 3),
+                    "tokens_per_s": round(rate),
+                    "tokens_seen": self.tokens_seen,
+                    "epoch": round(self.sampler.epoch, 4),
+                    "elapsed_s": round(now - self.t0, 1),
+                }
+                self.history.append(entry)
+                self.log(
+                    f"step {self.global_step:6d} | loss {mean:.4f} | lr {self._last_lr:.2e} | "
+                    f"gnorm {entry['grad_norm']:.2f} | {rate:,.0f} tok/s | "
+                    f"{self.tokens_seen / 1e6:.1f} M tokens | epoch {self.sampler.epoch:.3f} | "
+                    f"{now - self.t0:.0f} s"
+                )
+        if losses:
+            final_loss = float(torch.stack(losses).mean())
+        self._sync()
+        train_s = time.monotonic() - t_train
+        self.timings["train_s"] = train_s
+        return {
+            "steps": run_step,
+            "planned_steps": total,
+            "tokens": run_step * cfg.batch_size * cfg.seq_len,
+            "seconds": round(train_s, 1),
+            "tokens_per_s": round(run_step * cfg.batch_size * cfg.seq_len / max(train_s, 1e-9)),
+            "final_loss": final_loss,
+        }
+
+    def validate(self) -> float | None:
+        """Mean masked CE on the held-out stdlib windows (fixed noise), or None without any."""
+        windows = self.data.val_windows
+        if windows.shape[0] == 0:
+            return None
+        bs = self.cfg.batch_size
+        total, n = 0.0, 0
+        # NOTE: grad mode stays on so the compiled training graph is reused (no recompile); the
+        # graph is dropped unused.
+        for i in range(0, windows.shape[0], bs):
+            # Same shape as training (a short last batch wraps around to the first windows).
+            chunk = windows[np.arange(i, i + bs) % windows.shape[0]]
+            clean = self._to_device(np.ascontiguousarray(chunk))
+            total += float(self._loss(clean, i, "mean", VAL_SEED).detach())
+            n += 1
+        return total / n
+
+    def save(self, run_summary: dict[str, Any], val_loss: float | None) -> dict[str, Any]:
+        cfg = self.cfg
+        out = cfg.out_dir
+        state_file = cfg.state_file or out.parent / "train_state.json"
+        log_file = cfg.log_file or out.parent / "train_log.json"
+        provenance = {
+            "herald_training": {
+                "global_step": self.global_step,
+                "tokens_seen": self.tokens_seen,
+                "data_manifest_sha256": self.data.manifest["contents_sha256"],
+                "seq_len": cfg.seq_len,
+                "loss_weighting": cfg.loss_weighting,
+                "val_loss_stdlib": val_loss,
+                "recipe": "herald.train (issue 6): site-packages .py, stdlib held out",
+            }
+        }
+        t = time.perf_counter()
+        nbytes = save_checkpoint(
+            self.model,
+            self.config,
+            self.tokenizer,
+            out,
+            extra_config=provenance,
+            max_shard_bytes=int(cfg.max_shard_mb * 2**20),
+        )
+        if cfg.optimizer_file is not None:
+            cfg.optimizer_file.parent.mkdir(parents=True, exist_ok=True)
+            full = {
+                "global_step": self.global_step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+            }
+            torch.save(full, cfg.optimizer_file)
+        self.timings["save_s"] = time.perf_counter() - t
+        runs = list(self.state.get("runs", []))
+        runs.append({**run_summary, "val_loss_stdlib": val_loss, "resumed_from": str(cfg.resume)})
+        state = {
+            "global_step": self.global_step,
+            "tokens_seen": self.tokens_seen,
+            "data_position": self.sampler.position,
+            "epoch": self.sampler.epoch,
+            "seq_len": cfg.seq_len,
+            "seed": cfg.seed,
+            "data_manifest_sha256": self.data.manifest["contents_sha256"],
+            "stream_key": self.data.stream_key,
+            "runs": runs,
+        }
+        write_json(state_file, state)
+        tok_sha = hashlib.sha256(self.data.backend.to_str().encode()).hexdigest()
+        manifest = dict(self.data.manifest)
+        log = {
+            "checkpoint": str(out),
+            "checkpoint_bytes": nbytes,
+            "num_params": count_params(self.config),
+            "model_config": hf_config_dict(self.config, torch.bfloat16),
+            "train_config": dataclasses.asdict(cfg),
+            "device": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else "cpu",
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "data_manifest": manifest,
+            "data_manifest_sha256": manifest["contents_sha256"],
+            "stdlib_holdout_manifest": {
+                k: v for k, v in self.data.stdlib_manifest.items() if k != "packages"
+            },
+            "tokenizer_sha256": tok_sha,
+            "stream_tokens": int(self.data.stream.size),
+            "run": {**run_summary, "val_loss_stdlib": val_loss},
+            "global_step": self.global_step,
+            "tokens_seen": self.tokens_seen,
+            "epoch": self.sampler.epoch,
+            "timings_s": {k: round(v, 2) for k, v in {**self.data.timings, **self.timings}.items()},
+            "history": self.history,
+        }
+        write_json(log_file, log)
+        self.log(
+            f"saved {out} ({nbytes / 1e6:.1f} MB), state {state_file}, log {log_file}; "
+            f"global step {self.global_step}, {self.tokens_seen / 1e6:.1f} M tokens, "
+            f"final loss {run_summary['final_loss']:.4f}, stdlib val loss "
+            + (f"{val_loss:.4f}" if val_loss is not None else "n/a")
+        )
+        return log
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one training run end to end (module docstring); returns the final JSON log.
+
+    Raises:
+        FileNotFoundError: ``--resume`` directory or its files missing.
+        ValueError: bad configuration (sequence length, model over the size budget, no corpus).
+        RuntimeError: non-finite loss, or flex_attention disagreeing with the dense mask.
+    """
+    if cfg.seq_len < 1 or cfg.batch_size < 1:
+        raise ValueError("--seq-len and --batch-size must be positive")
+    if cfg.loss_weighting not in ("mean", "elbo"):
+        raise ValueError(f"unknown --loss-weighting {cfg.loss_weighting!r}")
+    out_log = log or (lambda s: print(s, flush=True))
+    run = Run(cfg, out_log)
+    run.setup()
+    summary = run.loop()
+    t = time.perf_counter()
+    val = run.validate()
+    run.timings["val_s"] = time.perf_counter() - t
+    return run.save(summary, val)

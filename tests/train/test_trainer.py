@@ -1,0 +1,138 @@
+"""`herald train` end to end on a synthetic corpus: checkpoint, generate, resume, budgets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from herald.cli import main
+from herald.models.loader import load_model
+from herald.train.config import ModelDims, TrainConfig, check_checkpoint_size, model_config
+from herald.train.trainer import lr_at, train
+
+TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "1"]
+TINY += ["--head-dim", "16", "--intermediate-size", "128", "--vocab-size", "320"]
+
+
+def tiny_config(trees: tuple[Path, Path], out: Path, **kw) -> TrainConfig:
+    site, std = trees
+    base = TrainConfig(
+        out_dir=out / "ckpt",
+        work_dir=out / "work",
+        site_dirs=[site],
+        stdlib_dirs=[std],
+        seq_len=64,
+        batch_size=2,
+        vocab_size=320,
+        dims=ModelDims(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=128,
+        ),
+        workers=1,
+        device="cpu",
+        val_windows=2,
+        log_every=1,
+    )
+    return replace(base, **kw)
+
+
+def test_train_cli_writes_a_checkpoint_that_herald_generates_with(trees, tmp_path, capsys) -> None:
+    site, std = trees
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out / "ckpt"), "--work-dir", str(tmp_path / "work")]
+    argv += ["--site-dir", str(site), "--stdlib-dir", str(std), "--seq-len", "64"]
+    argv += ["--batch-size", "2", "--max-steps", "3", "--warmup-steps", "1", "--workers", "1"]
+    argv += ["--device", "cpu", "--val-windows", "2", "--log-every", "1", *TINY]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "step      3 | loss" in printed and "saved" in printed
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    model, config, tok = load_model(out / "ckpt", device="cpu", dtype=torch.float32)
+    assert config.architecture == "SDARForCausalLM" and config.block_size == 32
+    assert (config.mask_token_id, config.eos_token_ids, config.pad_token_id) == (2, (0,), 1)
+    assert tok.mask_token_id == 2 and tok.backend.token_to_id("<|MASK|>") == 2
+    assert config.tie_word_embeddings and config.num_heads == 4 * config.num_kv_heads
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["global_step"] == 3 and log["tokens_seen"] == 3 * 2 * 64
+    assert log["data_manifest"]["file_count"] == 11 and len(log["data_manifest_sha256"]) == 64
+    assert log["run"]["val_loss_stdlib"] > 0 and len(log["history"]) == 3
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["data_position"] == 6 and state["global_step"] == 3
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(out / "ckpt"),
+                "--prompt",
+                "def alpha_load",
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    # Resuming continues the count from the state file beside the checkpoint.
+    argv2 = [a if a != str(out / "ckpt") else str(out / "ckpt2") for a in argv]
+    assert main([*argv2, "--resume", str(out / "ckpt")]) == 0
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["global_step"] == 6 and state["data_position"] == 12
+    assert len(state["runs"]) == 2
+
+
+def test_resumed_run_matches_an_uninterrupted_one(trees, tmp_path) -> None:
+    """Constant LR (the schedule is per run), fp32 weights and moments in the optimizer file."""
+    const = dict(warmup_steps=0, min_lr_ratio=1.0, val_windows=0)
+    a = tiny_config(trees, tmp_path / "a", max_steps=4, optimizer_file=tmp_path / "a.pt", **const)
+    train(a, log=lambda s: None)
+    b1 = tiny_config(trees, tmp_path / "b", max_steps=2, optimizer_file=tmp_path / "b.pt", **const)
+    train(b1, log=lambda s: None)
+    b2 = replace(b1, out_dir=tmp_path / "b" / "ckpt2", resume=b1.out_dir)
+    train(b2, log=lambda s: None)
+    wa = torch.load(tmp_path / "a.pt", weights_only=True)
+    wb = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert wa["global_step"] == wb["global_step"] == 4
+    for name, tensor in wa["model"].items():
+        assert torch.equal(tensor, wb["model"][name]), name
+    sa = json.loads((tmp_path / "a" / "train_state.json").read_text())
+    sb = json.loads((tmp_path / "b" / "train_state.json").read_text())
+    assert sa["data_position"] == sb["data_position"] == 8
+
+
+def test_default_model_fits_the_checkpoint_budget() -> None:
+    cfg = model_config(ModelDims(), 8192)
+    assert cfg.num_heads // cfg.num_kv_heads == 4 and cfg.max_position_embeddings >= 16384
+    assert check_checkpoint_size(cfg, 30.0) <= 30e6
+    with pytest.raises(ValueError, match="budget"):
+        check_checkpoint_size(model_config(ModelDims(hidden_size=512), 8192), 30.0)
+
+
+def test_lr_schedule() -> None:
+    cfg = TrainConfig(out_dir=Path("."), lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg, 100) == pytest.approx(0.1) and lr_at(9, cfg, 100) == 1.0
+    assert lr_at(10, cfg, 100) == 1.0 and lr_at(100, cfg, 100) == pytest.approx(0.1)
+    assert lr_at(55, cfg, 100) == pytest.approx(0.55)
+    assert lr_at(500, cfg, 100) == pytest.approx(0.1) and lr_at(50, cfg, None) == 1.0
+
+
+def test_user_errors_are_one_line(tmp_path, capsys) -> None:
+    missing = tmp_path / "nope"
+    assert main(["train", "--out", str(tmp_path / "o"), "--resume", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "--resume" in err[-1]
