@@ -169,6 +169,9 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", type=_dtype, default=torch.bfloat16)
     for p in (g, s, r):
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    from herald.eval.cli import register as register_eval
+
+    register_eval(sub)  # herald eval (sets args.handler)
     from herald.bench import throughput
 
     throughput.register(sub)  # herald bench throughput (sets args.handler)
