@@ -1,10 +1,12 @@
 """Bounded load test of ``herald serve`` over loopback: throughput and latency percentiles.
 
 Starts the real server (uvicorn, 127.0.0.1, a free port) in this process, sends a fixed number of
-streaming completions with a fixed concurrency and a hard deadline, and writes ``serve.json`` and
-a README to ``--out``::
+streaming completions with a fixed concurrency and a hard deadline, and writes ``serve.json``
+(``--mode dense``) or ``serve-<mode>.json`` to ``--out``, then a README with one row per JSON file
+found there::
 
     python -m herald.bench.serve_load --out results/serve
+    python -m herald.bench.serve_load --out results/serve --mode herald
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import socket
 import statistics
@@ -24,6 +27,7 @@ import httpx
 import torch
 import uvicorn
 
+from herald.config import OffloadConfig
 from herald.server.launch import build_app
 
 
@@ -82,13 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="fixed-steps mode, steps per block")
     p.add_argument("--prompt-chars", type=int, default=64)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
+    p.add_argument("--mode", default="dense", choices=["dense", "herald", "mage", "infinigen"])
+    p.add_argument("--kv-budget", type=float, default=None, help="offloading modes (preset's)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    # Offloading modes run bf16; dense runs fp32 on the CPU (as herald generate does).
+    dtype = torch.float32 if args.device == "cpu" and args.mode == "dense" else torch.bfloat16
+    offload = None
+    if args.mode != "dense":
+        extra = {} if args.kv_budget is None else {"kv_budget": args.kv_budget}
+        offload = OffloadConfig.for_mode(args.mode, **extra)
     app = build_app(
         args.model,
         device=args.device,
         dtype=dtype,
+        mode=args.mode,
+        offload=offload,
         max_batch_size=args.max_batch_size,
         max_seq_len=1024,
         max_waiting=max(64, args.requests),
@@ -102,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - t_start > 60 or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.05)
+    load_avg = os.getloadavg()[0]  # the machine is shared: other work skews the numbers
     try:
         results, wall = asyncio.run(_load(f"http://127.0.0.1:{port}", args))
     finally:
@@ -114,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     fb = {f"p{q}": _pct(ttfb, q) for q in (50, 90, 99)}
     summary = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "kv_budget": offload.kv_budget if offload is not None else 1.0,
+        "dtype": str(dtype).removeprefix("torch."),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "load_avg_1min_at_start": load_avg,
         "completed": len(results),
         "wall_s": wall,
         "generated_tokens": tokens,
@@ -126,23 +143,52 @@ def main(argv: list[str] | None = None) -> int:
         "first_block_s": fb,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (args.out / "README.md").write_text(
-        f"# herald serve load test ({summary['date']})\n\n"
-        f"Command: `python -m herald.bench.serve_load --out {args.out}` "
-        f"({args.requests} streaming requests, concurrency {args.concurrency}, max_tokens "
-        f"{args.max_tokens}, steps {args.steps}, model {args.model} on {args.device}; loopback).\n"
-        f"Machine: {summary['machine']}.\n\n"
-        f"| completed | wall s | tokens/s | req/s | latency p50 / p90 / p99 s | first block p50 / "
-        f"p90 / p99 s |\n| --- | --- | --- | --- | --- | --- |\n"
-        f"| {len(results)} | {wall:.2f} | {summary['tokens_per_s']:.1f} | "
-        f"{summary['requests_per_s']:.2f} | {lat_s['p50']:.3f} / {lat_s['p90']:.3f} / "
-        f"{lat_s['p99']:.3f} | {fb['p50']:.3f} / {fb['p90']:.3f} / {fb['p99']:.3f} |\n\n"
-        "The embedded model has random weights and is tiny: the numbers measure the serving path "
-        "(HTTP, SSE, engine thread, continuous batching), not a real model's speed.\n"
-    )
+    name = "serve.json" if args.mode == "dense" else f"serve-{args.mode}.json"
+    (args.out / name).write_text(json.dumps(summary, indent=2) + "\n")
+    _write_readme(args.out)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _row(s: dict[str, Any]) -> str:
+    c, lat, fb = s["config"], s["latency_s"], s["first_block_s"]
+    mode = c.get("mode", "dense")
+    load = s.get("load_avg_1min_at_start")
+    return (
+        f"| {mode} | {s.get('kv_budget', 1.0)} | {s.get('dtype', 'float32')} | {s['date']} | "
+        f"{'?' if load is None else f'{load:.1f}'} | "
+        f"{s['completed']} | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | "
+        f"{s['requests_per_s']:.2f} | {lat['p50']:.3f} / {lat['p90']:.3f} / {lat['p99']:.3f} | "
+        f"{fb['p50']:.3f} / {fb['p90']:.3f} / {fb['p99']:.3f} |"
+    )
+
+
+def _write_readme(out: Path) -> None:
+    """README of every ``serve*.json`` in ``out`` (dense first), one table row each."""
+    files = sorted(out.glob("serve*.json"), key=lambda f: (f.name != "serve.json", f.name))
+    runs = [json.loads(f.read_text()) for f in files]
+    if not runs:
+        return
+    c = runs[0]["config"]
+    rows = "\n".join(_row(s) for s in runs)
+    (out / "README.md").write_text(
+        "# herald serve load test\n\n"
+        f"Command: `python -m herald.bench.serve_load --out {out} [--mode MODE]` "
+        f"({c['requests']} streaming requests, concurrency {c['concurrency']}, max batch "
+        f"{c['max_batch_size']}, max_tokens {c['max_tokens']}, steps {c['steps']}, model "
+        f"{c['model']} on {c['device']}; loopback). Each row is one run, one JSON file here.\n"
+        f"Machine: {runs[0]['machine']}.\n\n"
+        "| mode | kv budget | dtype | date | load avg | completed | wall s | tokens/s | req/s | "
+        "latency p50 / p90 / p99 s | first block p50 / p90 / p99 s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        f"{rows}\n\n"
+        "The embedded model has random weights and is tiny: the numbers measure the serving path "
+        "(HTTP, SSE, engine thread, continuous batching; in the offloading modes also the CPU "
+        "pool hand-offs, the selection on the retrieval thread and the lockstep blocks), not a "
+        "real model's speed. Offloading modes run bf16, dense fp32: on this CPU they are not a "
+        "like-for-like speed comparison. The machine is shared: 'load avg' is its 1-minute load "
+        "average when the run started (above the 2 cores, other work took CPU time from it).\n"
+    )
 
 
 if __name__ == "__main__":
