@@ -19,9 +19,11 @@ Data recipe (issue 6), in order:
    :data:`OVERLAP_MIN_LINES` of them) also occur in the standard library: vendored or backported
    copies of stdlib modules (``tomli`` vs ``tomllib``, ``importlib_metadata``, ...) would
    otherwise leak the evaluation set into training.
-6. **Documents.** Each file becomes ``# file: <path>\\n<text>`` (:func:`format_document`; ``path``
-   relative to its root, ``/``-separated, e.g. ``torch/nn/functional.py``), followed by the EOS
-   token in the token stream.
+6. **Documents.** Each file becomes ``# file: <path>\\n<text>\\n`` (:func:`format_document`;
+   ``path`` relative to its root, ``/``-separated, e.g. ``torch/nn/functional.py``; the text
+   ends with a newline, so a blank line follows it): the very chunk ``herald eval`` puts in its
+   prompts (``herald.eval.sources.SourceFile.chunk``). Documents are encoded one by one and
+   concatenated; the EOS token ends each package's run of documents.
 7. **Order** (:func:`order_documents`): files of the same top-level package stay contiguous, so a
    training window holds related files, the long-range context the model must learn to use.
    Packages in a seeded shuffle; inside a package, its directories in a seeded shuffle, and the
@@ -65,18 +67,18 @@ OVERLAP_LINE_CHARS = 24
 OVERLAP_MIN_LINES = 4
 SKIPPED_DIR_SUFFIXES = (".dist-info", ".egg-info")
 FILE_HEADER = "# file: {path}\n"
+DOCUMENT = FILE_HEADER + "{text}\n"
 
 # Lines of the stdlib, set in the parent before the worker processes fork (read-only there).
 _STDLIB_LINES: frozenset[str] = frozenset()
 
 
 def format_document(path: str, text: str) -> str:
-    """One training document: ``# file: <path>\\n`` then ``text`` (which ends with a newline).
-
-    The evaluation builds its prompts (related stdlib files as context) with the same function,
-    so the model sees the format it was trained on.
-    """
-    return FILE_HEADER.format(path=path) + text
+    """One training document: ``# file: <path>\\n``, ``text`` (ending with a newline), and a
+    blank line; the same string as ``herald eval``'s prompt chunk for that file, so the model is
+    evaluated on the format it was trained on."""
+    body = text if text.endswith("\n") else text + "\n"
+    return DOCUMENT.format(path=path, text=body)
 
 
 @dataclass(frozen=True)
@@ -333,6 +335,12 @@ def scan_third_party(
     if not corpus.files:
         raise ValueError(f"no usable .py files under {', '.join(map(str, roots))}")
     return corpus
+
+
+def package_ends(files: Sequence[SourceFile]) -> list[bool]:
+    """For files in stream order: True where the next file belongs to another package (or there
+    is none), i.e. where the stream gets an EOS."""
+    return [i + 1 == len(files) or files[i + 1].package != f.package for i, f in enumerate(files)]
 
 
 def order_documents(files: Sequence[SourceFile], seed: int) -> list[SourceFile]:

@@ -3,8 +3,8 @@
 The stream (:func:`herald.train.tokenizer_train.encode_documents` over the documents in
 :func:`herald.train.corpus.order_documents` order) is cut into consecutive, non-overlapping
 windows of ``seq_len`` tokens (the tail that does not fill a window is dropped). A window
-therefore holds neighbouring files of one package (or the end of one package and the start of
-the next), each document ending in EOS. Epoch ``e`` visits the windows in the permutation
+therefore holds neighbouring files of one package (or the end of one package, EOS, and the start
+of the next). Epoch ``e`` visits the windows in the permutation
 ``numpy.random.default_rng([seed, e])``; the position in the data is one integer, the number of
 windows consumed so far (:attr:`WindowSampler.position`), which is all a resumed run needs.
 """
@@ -23,10 +23,16 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from herald.train.corpus import Corpus, order_documents, scan_stdlib, scan_third_party
+from herald.train.corpus import (
+    Corpus,
+    order_documents,
+    package_ends,
+    scan_stdlib,
+    scan_third_party,
+)
 from herald.train.tokenizer_train import encode_documents, sample_documents, train_bpe
 
-STREAM_FORMAT = "herald-stream-v1"
+STREAM_FORMAT = "herald-stream-v2"
 
 
 def stream_cache_key(*parts: str) -> str:
@@ -141,7 +147,7 @@ def stdlib_val_windows(
     for docs in by_pkg.values():  # insertion order = seeded package order
         if len(rows) >= count:
             break
-        ids = encode_documents(backend, docs)
+        ids = encode_documents(backend, docs, [False] * len(docs))
         if ids.size >= seq_len:
             rows.append(ids[:seq_len].astype(np.int64))
     return np.stack(rows) if rows else np.zeros((0, seq_len), dtype=np.int64)
@@ -180,8 +186,9 @@ def prepare_data(
         f"stdlib {std_manifest['file_count']} files, {std_manifest['bytes'] / 1e6:.1f} MB; "
         f"skipped {manifest['skipped']} ({timings['scan_s']:.1f} s)"
     )
-    docs = [f.document for f in order_documents(corpus.files, seed)]
-    del corpus
+    ordered = order_documents(corpus.files, seed)
+    docs, eos_after = [f.document for f in ordered], package_ends(ordered)
+    del corpus, ordered
     t = time.perf_counter()
     if backend is None:
         sample = sample_documents(docs, tokenizer_sample_bytes, seed)
@@ -196,7 +203,7 @@ def prepare_data(
     t = time.perf_counter()
     stream = load_cached_stream(work_dir, key)
     if stream is None:
-        stream = save_stream(work_dir, key, encode_documents(backend, docs))
+        stream = save_stream(work_dir, key, encode_documents(backend, docs, eos_after))
     timings["encode_s"] = time.perf_counter() - t
     log(
         f"token stream: {stream.size / 1e6:.1f} M tokens, {manifest['bytes'] / stream.size:.2f} "

@@ -4,7 +4,7 @@ The tokenizer is a ``tokenizers`` BPE over GPT-2-style byte-level pre-tokenizati
 sequence is encodable, no unknown token), trained on a seeded sample of the training documents.
 Three special tokens come first, so their ids are fixed whatever the corpus:
 
-    0 ``<|endoftext|>``  EOS: ends every document in the token stream, and stops generation
+    0 ``<|endoftext|>``  EOS: ends each package's documents in the token stream; stops generation
     1 ``<|pad|>``        padding (never in the training stream)
     2 ``<|MASK|>``       the diffusion mask token
 
@@ -15,7 +15,7 @@ model's ``config.json`` carries the same ids (``eos_token_ids``, ``pad_token_id`
 
 Training documents are encoded with special-token *text* treated as plain text (source files that
 spell ``<|endoftext|>`` stay ordinary bytes): the only special id in the stream is the EOS that
-this module appends after each document.
+this module appends (after each package's documents).
 """
 
 from __future__ import annotations
@@ -105,9 +105,14 @@ def as_herald_tokenizer(backend: tokenizers.Tokenizer) -> Tokenizer:
 
 
 def encode_documents(
-    backend: tokenizers.Tokenizer, documents: Sequence[str], *, chunk: int = 4096
+    backend: tokenizers.Tokenizer,
+    documents: Sequence[str],
+    eos_after: Sequence[bool] | None = None,
+    *,
+    chunk: int = 4096,
 ) -> np.ndarray:
-    """The token stream: each document's ids followed by EOS.
+    """The token stream: each document encoded on its own, concatenated, with EOS after document
+    ``i`` where ``eos_after[i]`` (default: after every document).
 
     Special-token text inside documents is encoded as plain text. Encoding runs in the
     ``tokenizers`` thread pool (all cores), ``chunk`` documents at a time.
@@ -121,6 +126,8 @@ def encode_documents(
     """
     if backend.get_vocab_size(with_added_tokens=True) > MAX_VOCAB:
         raise ValueError("vocabulary larger than 65536 ids does not fit a uint16 stream")
+    if eos_after is not None and len(eos_after) != len(documents):
+        raise ValueError("eos_after must have one flag per document")
     plain = tokenizers.Tokenizer.from_str(backend.to_str())
     plain.encode_special_tokens = True
     parts: list[np.ndarray] = []
@@ -129,9 +136,10 @@ def encode_documents(
         encs = plain.encode_batch_fast(
             list(documents[start : start + chunk]), add_special_tokens=False
         )
-        for enc in encs:
+        for i, enc in enumerate(encs, start):
             parts.append(np.asarray(enc.ids, dtype=np.uint16))
-            parts.append(eos)
+            if eos_after is None or eos_after[i]:
+                parts.append(eos)
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
     body = stream[stream != EOS_ID]
     if body.size and int(body.min()) <= MASK_ID:

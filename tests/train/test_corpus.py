@@ -49,7 +49,20 @@ def test_filters_and_holdout(tmp_path: Path) -> None:
     crlf = next(f for f in corpus.files if f.path == "pkg/crlf.py")
     assert "\r" not in crlf.text and crlf.text.endswith("\n")
     assert [f.package for f in corpus.files] == ["pkg", "pkg", "pkg", "single"]
-    assert corpus.files[0].document.startswith('# file: pkg/copy0.py\n"""Module 0')
+    doc = corpus.files[0].document
+    assert (
+        doc.startswith('# file: pkg/copy0.py\n"""Module 0')
+        and doc == "# file: pkg/copy0.py\n" + corpus.files[0].text + "\n"
+    )
+    assert C.format_document("a/b.py", "x = 1") == "# file: a/b.py\nx = 1\n\n"
+
+
+def test_document_is_the_eval_prompt_chunk() -> None:
+    """herald eval puts each context file in its prompt as SourceFile.chunk(): same string."""
+    from herald.eval.sources import SourceFile as EvalFile
+
+    for text in ["x = 1\n", "def f():\n    return 2", "\n"]:
+        assert C.format_document("pkg/m.py", text) == EvalFile("pkg/m.py", text, "").chunk()
 
 
 def test_site_dir_nested_in_stdlib_is_third_party(tmp_path: Path) -> None:
@@ -87,6 +100,9 @@ def test_order_keeps_packages_and_directories_contiguous(trees) -> None:
 
     pkgs = [f.package for f in order]
     assert len(runs(pkgs)) == 3  # each package exactly once, contiguous
+    ends = C.package_ends(order)
+    assert sum(ends) == 3 and ends[-1]
+    assert ends == [i + 1 == len(pkgs) or pkgs[i + 1] != p for i, p in enumerate(pkgs)]
     dirs = [f.path.rpartition("/")[0] for f in order]
     assert len(runs(dirs)) == len(set(dirs))
     others = {tuple(f.path for f in C.order_documents(files, seed=s)) for s in range(1, 6)}

@@ -56,6 +56,17 @@ def test_stream_has_eos_per_document_and_no_special_text(backend) -> None:
     assert tok.decode(stream[eos[0] + 1 : eos[1]].tolist()) == docs[1]
 
 
+def test_eos_only_where_asked(backend) -> None:
+    docs = ["a = 1\n\n", "b = 2\n\n", "c = 3\n\n"]
+    stream = T.encode_documents(backend, docs, [False, True, True])
+    eos = np.flatnonzero(stream == T.EOS_ID).tolist()
+    assert len(eos) == 2 and eos[1] == stream.size - 1
+    tok = T.as_herald_tokenizer(backend)
+    assert tok.decode(stream[: eos[0]].tolist()) == docs[0] + docs[1]
+    with pytest.raises(ValueError, match="one flag"):
+        T.encode_documents(backend, docs, [True])
+
+
 def test_windows_are_seeded_and_resumable(tmp_path: Path) -> None:
     stream = np.arange(1000, dtype=np.uint16)
     cached = save_stream(tmp_path, "k", stream)
