@@ -217,6 +217,7 @@ def markdown(
             )
             lines.append(f"| {bold}{label}{bold} |{cells} {avg} | {n} |")
         lines.append("")
+    lines += _overview(table)
     lines += ["## Acceptance checks", "", *acceptance(units, table), ""]
     if analysis is not None and analysis["summary"]["num_pairs"]:
         lines += _analysis_markdown(analysis)
@@ -238,6 +239,30 @@ def markdown(
         "",
     ]
     return "\n".join(lines)
+
+
+def _overview(table: dict[str, Any]) -> list[str]:
+    """Avg (Δ vs dense) of every method at every context, one row per method."""
+    labels = sorted({lb for rows in table["rows"].values() for lb in rows}, key=_order)
+    ctxs = [str(c) for c in table["contexts"]]
+    lines = [
+        "## Overview: Avg (Δ vs dense) by context",
+        "",
+        "| method | " + " | ".join(f"{c} tokens" for c in ctxs) + " |",
+        "|" + " --- |" * (len(ctxs) + 1),
+    ]
+    for label in labels:
+        cells = []
+        for c in ctxs:
+            r = table["rows"][c].get(label)
+            if r is None or r["avg"] is None:
+                cells.append("-")
+            elif r["delta"] is None or label == "dense":
+                cells.append(f"{r['avg']:.2f}")
+            else:
+                cells.append(f"{r['avg']:.2f} ({r['delta']:+.2f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:

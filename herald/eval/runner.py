@@ -200,9 +200,11 @@ def run_unit(
     try:
         reqs = generate(engine, prompts, params, desc=unit.key)
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        # Offloading engines: stop the retrieval thread, then unpin the CPU pool they own.
+        for owner in (engine, getattr(engine, "cpu_pool", None)):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
     seconds = time.perf_counter() - t0
     rows = []
     for ex, req in zip(examples, reqs, strict=True):
@@ -214,7 +216,7 @@ def run_unit(
                 "id": ex.example_id,
                 "prediction": pred,
                 **s,
-                "completion": completion[:400],
+                "completion": completion[:200],
                 "num_output_tokens": len(req.output_ids),
                 "finish_reason": req.finish_reason,
                 "steps_per_block": list(req.steps_per_block),

@@ -10,7 +10,7 @@ ARGS = [
     "eval", "--model", "tiny-sdar", "--device", "cpu", "--task", "line", "--contexts", "256",
     "--modes", "dense", "herald", "--budgets", "1.0", "-n", "2", "--steps", "2",
     "--control-tokens", "64", "--infile-tokens", "64", "--analysis-examples", "1",
-    "--analysis-blocks", "2", "--selection-threads", "2",
+    "--analysis-blocks", "2", "--selection-threads", "2", "--no-control",
 ]  # fmt: skip
 
 
@@ -20,7 +20,6 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     runs = sorted(p.name for p in (out / "runs").iterdir())
     assert runs == [
         "line_256_analysis.json",
-        "line_256_control.json",
         "line_256_dense.json",
         "line_256_herald_1.json",
     ]
@@ -30,10 +29,10 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())
     assert res["units"]["line_256_herald_1"]["metrics"] == res["units"]["line_256_dense"]["metrics"]
     readme = (out / "README.md").read_text()
-    assert "Table I analog" in readme and "Fig. 9 analog" in readme
+    assert "Table I analog" in readme and "Fig. 9 analog" in readme and "Overview" in readme
     capsys.readouterr()
-    assert main([*ARGS, "--out", str(out)]) == 0  # everything done: nothing reruns
-    assert "4 already done" in capsys.readouterr().err
+    assert main([*ARGS, "--out", str(out), "--no-report"]) == 0  # all done: nothing reruns
+    assert "3 already done" in capsys.readouterr().err
     assert main(["eval", "--report", "--out", str(out)]) == 0
 
 

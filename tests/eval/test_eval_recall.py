@@ -12,6 +12,7 @@ from herald.config import SamplingParams
 from herald.eval.recall import (
     VARIANTS,
     AnalysisConfig,
+    _ExactAttention,
     analyse_pair,
     capture_dense,
     importance,
@@ -96,3 +97,26 @@ def test_recall_values_sensible_below_full_budget(capture):
         assert min(res["recall"]["block_completed"]["0.1"]) >= 1 / res["num_steps"] - 1e-6
     s = summarise([{"example": "x", **p} for p in pairs], 0.1)
     assert s["num_pairs"] == 2 and sum(b["count"] for b in s["fig7"]) == 2 * (config.num_layers - 2)
+
+
+def test_exact_backend_reproduces_the_engines_step0(capture):
+    """The analysis' own forward (committed KV + a [MASK] block, exact attention) reproduces the
+    dense engine's recorded step 0 of that block: same own keys up to bf16 rounding, same top-k."""
+    model, config, cap = capture
+    b, s_n = config.block_size, 224
+    s1 = s_n + b
+    ck = [t[:, :s1] for t in cap.committed_k]
+    cv = [t[:, :s1] for t in cap.committed_v]
+    att = _ExactAttention(ck, cv, s_n, self_attend=True, num_dense=2)
+    ids = torch.full((1, b), config.mask_token_id)
+    with torch.inference_mode():
+        model(ids, torch.arange(s1, s1 + b)[None], att)
+    step0 = cap.steps[s1][0]
+    for layer in range(2, config.num_layers):
+        torch.testing.assert_close(
+            att.kv[layer][0], step0.k[layer].transpose(0, 1), atol=0.1, rtol=0.05
+        )
+        keys = torch.cat([ck[layer], step0.k[layer].transpose(0, 1)], dim=1)
+        want = topk_mask(importance(step0.q[layer], keys, s_n), 56)
+        got = topk_mask(att.imp[layer], 56)
+        assert (want & got).sum() >= 0.95 * want.sum()
