@@ -84,12 +84,16 @@ def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path
         "decode_tok_s": eng.stats.num_generated_tokens / eng.stats.decode_seconds,
         "blocks": blocks,
         "median_step_ms": {k: 1e3 * statistics.median(v) for k, v in by_phase.items()},
+        "slow_steps": [
+            {**x, "ms": round(1e3 * x["s"], 1)} for x in steps if x["s"] > 0.05 and x["block"]
+        ],
     }
     print(json.dumps({k: v for k, v in res.items() if k != "blocks"}, indent=1))
     for b in blocks:
         print(
-            "  main {main:.3f} retr {retrieval:.3f} stall {stall:.3f} start {retrieval_start} "
-            "end {retrieval_end} steps {steps}".format(**b)
+            "  main {main:.3f} retr {retrieval:.3f} stall {stall:.3f} submit {retrieval_submit} "
+            "start {retrieval_start} end {retrieval_end} steps {steps} layers "
+            "{retrieval_layers}".format(**b)
         )
     return res
 

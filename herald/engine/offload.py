@@ -53,8 +53,10 @@ from herald.models.config import ModelConfig
 class BlockTiming:
     """Per-block timing (seconds, host clock): main stream, retrieval stream, boundary stall.
 
-    ``retrieval_start`` / ``retrieval_end``: when the retrieval job for the next block began and
-    ended, in seconds after this block's first step began (None when no job ran). ``steps``: the
+    ``retrieval_submit`` / ``retrieval_start`` / ``retrieval_end``: when the retrieval job for
+    the next block was handed over, began and ended, in seconds after this block's first step
+    began (None when no job ran). ``retrieval_layers``: the job's host seconds summed over the
+    offloaded layers, split into query to host, CPU kernel, and gather + copies. ``steps``: the
     forwards of the block, commit included.
     """
 
@@ -65,6 +67,8 @@ class BlockTiming:
     retrieval_start: float | None = None
     retrieval_end: float | None = None
     steps: int = 0
+    retrieval_submit: float | None = None
+    retrieval_layers: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -593,6 +597,8 @@ class OffloadEngine:
         stall, retrieval = 0.0, 0.0
         rstart: float | None = None
         rend: float | None = None
+        rsubmit: float | None = None
+        rlayers: dict[str, float] = {}
         k_next = [self.budget_for(st + b) for st in starts]
         if self.offload.selection_queries == "representative":
             if self._job is None:  # lookahead off (or no step 1 ran): select now, after commit
@@ -603,6 +609,10 @@ class OffloadEngine:
             job = self._job
             retrieval = job.seconds
             rstart, rend = job.t_start - self._block_t0, job.t_end - self._block_t0
+            rsubmit = job.t_submit - self._block_t0
+            if job.layer_seconds:
+                lay = torch.tensor(job.layer_seconds).sum(0).tolist()
+                rlayers = {"query_to_host": lay[0], "kernel": lay[1], "gather_copy": lay[2]}
             self._job = None
         # The completed block becomes the next pool's last block: -> idle rows [k', k' + B).
         idle = self.pool.idle
@@ -616,7 +626,17 @@ class OffloadEngine:
         self.sparse_attn.set_store(*self.pool.store(self.pool.active))
         self.k_sel, self.last_len = k_next, [b] * len(reqs)
         self.stats.blocks.append(
-            BlockTiming(main_t, retrieval, stall, len(reqs), rstart, rend, self._block_step + 1)
+            BlockTiming(
+                main_t,
+                retrieval,
+                stall,
+                len(reqs),
+                rstart,
+                rend,
+                self._block_step + 1,
+                rsubmit,
+                rlayers,
+            )
         )
         # Finished requests leave; the rest move to their next block.
         done = [i for i, r in enumerate(reqs) if r.status.finished]
