@@ -79,8 +79,12 @@ def flex_block_mask(seq_len: int, block_size: int, device: torch.device | str) -
     return create_block_mask(mask_mod, None, None, n, n, device=str(device))
 
 
-def _cast(dtype: torch.dtype | None, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return ts if dtype is None else tuple(t.to(dtype) for t in ts)
+def _cast(
+    dtype: torch.dtype | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dtype is None:
+        return q, k, v
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 class DenseDiffusionAttention:

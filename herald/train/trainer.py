@@ -60,7 +60,7 @@ from herald.train.objective import (
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
-RESERVE_S = 25.0  # wall time kept for validation and the save
+RESERVE_S = 20.0  # wall time kept for validation and the save
 VAL_SEED = 1234
 
 
@@ -284,7 +284,8 @@ class Run:
     def loop(self) -> dict[str, Any]:
         cfg = self.cfg
         total = cfg.total_steps or cfg.max_steps
-        step_times: list[float] = []
+        step_times: list[float] = []  # the first steps, one by one (synchronised)
+        per_step = 0.0  # current estimate of one step's wall time (compiling steps excluded)
         losses: list[torch.Tensor] = []
         run_step = 0
         t_train = time.monotonic()
@@ -293,8 +294,7 @@ class Run:
         while True:
             if cfg.max_steps is not None and run_step >= cfg.max_steps:
                 break
-            est = float(np.mean(step_times[-20:])) if step_times else 0.0
-            if time.monotonic() + 1.5 * est + RESERVE_S > self.deadline:
+            if time.monotonic() + 1.5 * per_step + RESERVE_S > self.deadline:
                 if run_step == 0:
                     self.log("WARNING: no time left for a single step")
                 break
@@ -306,8 +306,8 @@ class Run:
                 step_times.append(time.monotonic() - t_step)
                 if run_step == 1:
                     self.timings["first_step_s"] = step_times[0]
+                per_step = float(np.mean(step_times[2:] or step_times[-1:]))
                 if run_step == CALIBRATION_STEPS + 2 and cfg.total_steps is None:
-                    per_step = float(np.mean(step_times[2:]))
                     left = self.deadline - time.monotonic() - RESERVE_S
                     fit = run_step + max(1, int(left / per_step))
                     total = min(fit, cfg.max_steps) if cfg.max_steps else fit
@@ -320,7 +320,7 @@ class Run:
                 now = time.monotonic()
                 n = run_step - mark_step
                 if n > 0 and run_step > CALIBRATION_STEPS + 2:
-                    step_times.append((now - t_mark) / n)
+                    per_step = (now - t_mark) / n
                 rate = (self.tokens_seen - mark_tokens) / max(now - t_mark, 1e-9)
                 t_mark, mark_step, mark_tokens = now, run_step, self.tokens_seen
                 final_loss = mean
