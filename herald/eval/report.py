@@ -296,6 +296,19 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {label} | " + " | ".join(_fmt(mean[v].get(x), ".3f") for x in budgets) + " |"
             )
+    per_unit = analysis.get("per_unit", {})
+    if len(per_unit) > 1:
+        names = [v for v in VARIANTS if any(v in u["mean"] for u in per_unit.values())]
+        lines += [
+            "",
+            f"Per unit, at the oracle budget {ob}:",
+            "",
+            "| unit | pairs | " + " | ".join(names) + " |",
+            "|" + " --- |" * (len(names) + 2),
+        ]
+        for key, u in sorted(per_unit.items()):
+            cells = [_fmt(u["mean"].get(v, {}).get(ob), ".3f") for v in names]
+            lines.append(f"| {key} | {u['num_pairs']} | " + " | ".join(cells) + " |")
     base = mean.get("block_completed", {}).get(ob)
     if base is not None:
         lines += [
@@ -327,6 +340,7 @@ def pooled_analysis(units: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         "units": [u["unit"] for u in found],
         "config": cfg,
         "summary": summarise(pairs, cfg["oracle_budget"]),
+        "per_unit": {u["unit"]: u["analysis"]["summary"] for u in found},
     }
 
 
@@ -382,7 +396,11 @@ def write_report(out: Path) -> Path:
             for k, u in sorted(units.items())
         },
         "selections": {
-            k: {f: v[f] for f in ("selection_sha256", "corpus", "tokenizer", "task_config")}
+            k: {
+                **{f: v[f] for f in ("selection_sha256", "corpus", "tokenizer", "task_config")},
+                # the context files of each prompt (paths, sha256) are in examples/<key>.json
+                "examples": [{f: e[f] for f in e if f != "context_files"} for e in v["examples"]],
+            }
             for k, v in selections.items()
         },
     }
