@@ -202,19 +202,6 @@ class OffloadEngine:
         self.attn = _RoutedAttention(self.num_dense, self.dense_attn, self.sparse_attn)
         self.selection_threads = _selection_threads(offload.selection_threads)
         self.random_prefill = random_prefill
-        self.worker = RetrievalWorker(
-            model,
-            self.num_dense,
-            self.dense_k,
-            self.dense_v,
-            cpu_pool,
-            self.pool,
-            config.mask_token_id,
-            b,
-            output_mode=offload.output_mode,
-            num_threads=self.selection_threads,
-            delay=retrieval_delay,
-        )
         self.proxy_chans: dict[int, torch.Tensor] = {}
         self.partial_k: dict[int, torch.Tensor] = {}
         if offload.selection_queries == "proxy":
@@ -247,11 +234,35 @@ class OffloadEngine:
         self._handoff = torch.zeros(
             len(pooled) * 2 * max_batch_size * hkv * b * d, dtype=cpu_pool.dtype
         )
-        self._handoff_pinned = register_pinned(self._handoff) if self.cuda else []
         self.use_cuda_graph = use_cuda_graph and self.cuda
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
         self._random_pages: torch.Tensor | None = None
         self._eager_keys: set[tuple[int, int]] = set()
+        # Last: the pinned registrations and the worker thread, so that nothing above (a GPU
+        # allocation running out of memory) can leave a thread or pinned memory behind.
+        self._handoff_pinned = register_pinned(self._handoff) if self.cuda else []
+        # The retrieval stream serves the representative query only (MAGE and InfiniGen select
+        # on the main stream), and only then needs its pinned staging.
+        self.worker: RetrievalWorker | None = None
+        if offload.selection_queries == "representative":
+            try:
+                self.worker = RetrievalWorker(
+                    model,
+                    self.num_dense,
+                    self.dense_k,
+                    self.dense_v,
+                    cpu_pool,
+                    self.pool,
+                    config.mask_token_id,
+                    b,
+                    output_mode=offload.output_mode,
+                    num_threads=self.selection_threads,
+                    delay=retrieval_delay,
+                )
+            except BaseException:
+                if self._handoff_pinned:
+                    unregister_pinned(self._handoff_pinned)
+                raise
 
     # -- sizes ----------------------------------------------------------------------------------
     def budget_for(self, prefix: int) -> int:
@@ -296,7 +307,8 @@ class OffloadEngine:
 
     def close(self) -> None:
         """Stop the retrieval thread, release every request's pages and the pinned memory."""
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
         for req in self.batch.requests:
             if req.request_id in self.cpu_pool:
                 self.cpu_pool.free(req.request_id)
@@ -569,6 +581,7 @@ class OffloadEngine:
         )
         if self.record_selection:
             self.selections.append(job)
+        assert self.worker is not None  # representative-query modes only
         self._job = self.worker.submit(job) if draft else self.worker.run_now(job)
         return job
 

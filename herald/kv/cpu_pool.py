@@ -81,7 +81,14 @@ class CpuKVPool:
         t0 = time.perf_counter()
         # Pageable memory, touched once (zero_ runs on torch's intra-op threads): every page is
         # faulted in before registration, and a never-written slot reads as 0, not NaN garbage.
-        self._storage: torch.Tensor | None = torch.empty(shape, dtype=dtype).zero_()
+        # NOTE: page-aligned start: the registration then splits (every 16 GiB) only at page
+        # boundaries, which are page-slab boundaries too, so no slab spans two registrations
+        # (one DMA across two is rejected by the driver; see herald.kv.pinned).
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(shape)
+        raw = torch.empty(numel + 4096 // itemsize, dtype=dtype)
+        off = (-raw.data_ptr() % 4096) // itemsize
+        self._storage: torch.Tensor | None = raw[off : off + numel].view(shape).zero_()
         self.alloc_seconds = time.perf_counter() - t0
         self.nbytes = self._storage.nbytes  # bytes of the whole pool
         self.bytes_per_page = self.nbytes // num_pages  # K and V of page_size tokens, all layers

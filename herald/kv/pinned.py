@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REGISTER_CHUNK_BYTES", "register_pinned", "unregister_pinned"]
+__all__ = ["REGISTER_CHUNK_BYTES", "register_chunks", "register_pinned", "unregister_pinned"]
 
 _GIB = 1 << 30
 REGISTER_CHUNK_BYTES = 16 * _GIB  # device.md: measured with chunks of 16 GiB
@@ -19,9 +19,13 @@ REGISTER_CHUNK_BYTES = 16 * _GIB  # device.md: measured with chunks of 16 GiB
 def register_pinned(tensor: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTES) -> list[int]:
     """Register a contiguous CPU tensor's memory with CUDA; returns the registered base addresses.
 
-    Chunks are at most ``chunk_bytes`` (a multiple of 4096) and their inner boundaries are
-    multiples of it, so no OS page is registered twice. The tensor must stay alive until
-    :func:`unregister_pinned` has been called on the returned list.
+    Inner chunk boundaries are at ``align_up(start, 4096) + i * chunk_bytes`` (``chunk_bytes`` a
+    multiple of 4096), so no OS page is registered twice and a tensor of at most ``chunk_bytes``
+    is one registration. NOTE: one DMA (``cudaMemcpyAsync``) must not span two registrations (the
+    driver rejects it with "invalid argument"); a buffer copied from or to as a whole must
+    therefore be one registration, and a larger buffer whose start is page-aligned splits only
+    at page boundaries (CpuKVPool aligns its storage so that no page slab is split). The tensor
+    must stay alive until :func:`unregister_pinned` has been called on the returned list.
 
     Raises:
         ValueError: not a contiguous CPU tensor, or a bad ``chunk_bytes``.
@@ -36,9 +40,7 @@ def register_pinned(tensor: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTE
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     registered: list[int] = []
-    addr = start
-    while addr < end:
-        nxt = min(end, (addr // chunk_bytes + 1) * chunk_bytes)
+    for addr, nxt in register_chunks(start, end, chunk_bytes):
         rc = int(cudart.cudaHostRegister(addr, nxt - addr, 0))
         if rc != 0:
             unregister_pinned(registered)
@@ -48,8 +50,20 @@ def register_pinned(tensor: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTE
                 f"failed with CUDA error {rc} (too little lockable memory? see ulimit -l)"
             )
         registered.append(addr)
-        addr = nxt
     return registered
+
+
+def register_chunks(start: int, end: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The ``[addr, next)`` byte ranges :func:`register_pinned` registers for ``[start, end)``:
+    inner boundaries at ``align_up(start, 4096) + i * chunk_bytes``, i >= 1."""
+    base = -(-start // 4096) * 4096
+    out = []
+    addr = start
+    while addr < end:
+        nxt = min(end, base + (max(addr - base, 0) // chunk_bytes + 1) * chunk_bytes)
+        out.append((addr, nxt))
+        addr = nxt
+    return out
 
 
 def unregister_pinned(addresses: list[int]) -> None:

@@ -310,9 +310,11 @@ def test_register_chunks_cover_the_buffer(monkeypatch: pytest.MonkeyPatch) -> No
     addrs = register_pinned(t, chunk_bytes=chunk)
     assert addrs == [p for p, _ in fake.registered]
     pos = t.data_ptr()
+    base = -(-pos // 4096) * 4096
     for i, (ptr, size) in enumerate(fake.registered):
-        assert ptr == pos and 0 < size <= chunk
-        assert i == 0 or ptr % chunk == 0  # inner boundaries aligned: no OS page twice
+        assert ptr == pos and 0 < size < chunk + 4096
+        # inner boundaries page-aligned, chunk_bytes apart: no OS page twice
+        assert i == 0 or (ptr % 4096 == 0 and (ptr - base) % chunk == 0)
         pos += size
     assert pos == t.data_ptr() + t.numel()
     unregister_pinned(addrs)
@@ -340,3 +342,25 @@ def test_pool_pin_path_unregisters_once(monkeypatch: pytest.MonkeyPatch) -> None
     pool.close()
     del pool
     assert len(fake.unregistered) == 1
+
+
+def test_register_chunks_split_only_page_aligned_and_keep_small_buffers_whole():
+    from herald.kv.pinned import register_chunks
+
+    gib = 1 << 30
+    # A small buffer straddling a 16 GiB-aligned address is one registration.
+    start = 16 * gib - 1000
+    assert register_chunks(start, start + 100 * 2**20, 16 * gib) == [(start, start + 100 * 2**20)]
+    # A large one splits at align_up(start) + i * chunk: page-aligned, contiguous, covering.
+    start = 12345 * 64
+    chunks = register_chunks(start, start + 40 * gib, 16 * gib)
+    assert chunks[0][0] == start and chunks[-1][1] == start + 40 * gib
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    base = -(-start // 4096) * 4096
+    assert [c[1] for c in chunks[:-1]] == [base + 16 * gib, base + 32 * gib]
+
+
+def test_pool_storage_is_page_aligned():
+    pool = CpuKVPool(2, HKV, D, P, 8, pin=False)
+    assert pool.storage.data_ptr() % 4096 == 0
+    assert pool.storage.is_contiguous() and float(pool.storage.abs().sum()) == 0.0
