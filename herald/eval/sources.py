@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import platform
 import re
 import sys
@@ -75,8 +76,9 @@ class SourceFile:
 
     @cached_property
     def lines(self) -> list[str]:
-        """Physical lines, newline kept (``lines[i]`` is line ``i + 1``)."""
-        return self.text.splitlines(keepends=True)
+        """Physical lines, newline kept (``lines[i]`` is line ``i + 1``), split at ``\n`` only
+        as :mod:`tokenize` counts them (``str.splitlines`` also splits at form feeds)."""
+        return io.StringIO(self.text).readlines()
 
     @cached_property
     def line_offsets(self) -> list[int]:

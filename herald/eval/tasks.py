@@ -196,7 +196,7 @@ _SKIP = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
 
 
 # -- line completion ------------------------------------------------------------------------------
-def _imported_package_names(corpus: Corpus, f: SourceFile) -> set[str]:
+def _imported_package_names(f: SourceFile) -> set[str]:
     """Names ``f`` binds by importing from other files of its own package."""
     out: set[str] = set()
     if f.tree is None or not f.package:
@@ -307,7 +307,7 @@ def _build_line(
                         other = corpus.read(r)
                         names_cache[r] = _module_names(other) if other is not None else set()
                     package_names |= names_cache[r]
-            cands = line_candidates(f, _imported_package_names(corpus, f), package_names)
+            cands = line_candidates(f, _imported_package_names(f), package_names)
             cands = [(row, t) for row, t in cands if (f.rel, row) not in chosen]
             if not cands:
                 continue
@@ -543,6 +543,7 @@ def _build_recall(
                 rng.shuffle(found)
                 cands[rel] = found
             pool = [u for u in cands[rel] if (rel, u.name) not in used]
+            progress |= bool(pool)  # candidates left to try in the next pass
             for use in pool[:8]:
                 built = _recall_prompt(corpus, codec, f, use, context, cfg, ratios[rel])
                 cands[rel].remove(use)
@@ -552,7 +553,6 @@ def _build_recall(
                 used.add((rel, use.name))
                 eid = f"recall-{context}-{len(examples):03d}"
                 examples.append(Example(eid, "recall", context, ids_, use.name, meta))
-                progress = True
                 break
         if not progress:
             break

@@ -50,7 +50,7 @@ def test_line_targets_are_real_lines_and_same_at_every_context(corpus, tok, line
         raw = (corpus.root / ex.meta["file"]).read_bytes()
         f = corpus.read(ex.meta["file"])
         assert f.sha256 == ex.meta["sha256"]
-        assert raw.decode().splitlines()[ex.meta["line"] - 1] == ex.target
+        assert raw.decode().split("\n")[ex.meta["line"] - 1].rstrip("\r") == ex.target
         stripped = ex.target.strip()
         assert 10 <= len(stripped) <= 160 and not stripped.startswith(("#", '"', "'", "import "))
         assert stripped not in {line.strip() for line in f.lines[: ex.meta["line"] - 1]}
