@@ -17,8 +17,9 @@
 # too big to bring back) and may change SEQ_LEN (e.g. SEQ_LEN=16384 BATCH=2 for 16K contexts).
 #
 # Env: RESUME, MAX_MINUTES (7.8), SEQ_LEN (8192), BATCH (4), LR (1e-3), WARMUP (100), SEED (0),
+#      LOG_EVERY (50 steps per progress line),
 #      SAMPLE (1: decode a stdlib prompt at the end), GPU_TESTS (0: 1 runs tests/train -m gpu
-#      first, ~30 s), EXTRA (more `herald train` flags).
+#      first, ~30-60 s more: lower MAX_MINUTES), EXTRA (more `herald train` flags).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -34,7 +35,8 @@ fi
 
 args=(--out "$DEST/ckpt" --work-dir /tmp/herald-train --seed "${SEED:-0}"
       --seq-len "${SEQ_LEN:-8192}" --batch-size "${BATCH:-4}" --lr "${LR:-1e-3}"
-      --warmup-steps "${WARMUP:-100}" --max-minutes "${MAX_MINUTES:-7.8}")
+      --warmup-steps "${WARMUP:-100}" --max-minutes "${MAX_MINUTES:-7.8}"
+      --log-every "${LOG_EVERY:-50}")
 if [ -n "${RESUME:-}" ]; then
   args+=(--resume "$RESUME")
 fi
