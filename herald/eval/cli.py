@@ -257,7 +257,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             res: dict[str, Any] = {
                 "unit": unit.key,
                 **asdict(unit),
-                "analysis": run_analysis(exs, model, config, params, acfg),
+                "analysis": run_analysis(exs, model, config, params, acfg, desc=unit.key),
                 "selection_sha256": selection_hash(exs),
             }
         else:

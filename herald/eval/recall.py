@@ -418,27 +418,28 @@ def run_analysis(
     config: ModelConfig,
     params: SamplingParams,
     acfg: AnalysisConfig,
-    progress: Any = None,
+    desc: str = "analysis",
 ) -> dict[str, Any]:
     """Capture and analyse the first ``acfg.num_examples`` of ``examples``
-    (:class:`~herald.eval.tasks.Example`).
+    (:class:`~herald.eval.tasks.Example`), with a progress bar on stderr.
 
     Returns ``{"config", "pairs": [analyse_pair(...) + "example"], "summary": summarise(...)}``.
-    ``progress``: an optional callable ``progress(done, total)``.
     """
+    import sys
+
+    from tqdm import tqdm
+
     chosen = examples[: acfg.num_examples]
     nd = min(acfg.num_dense_layers, config.num_layers)
     chans = _proxy_channels(model, list(range(nd, config.num_layers)), acfg.proxy_ratio)
     pairs: list[dict[str, Any]] = []
-    for n, ex in enumerate(chosen):
+    for ex in tqdm(chosen, desc=desc, unit="ex", leave=False, file=sys.stderr):
         cap = capture_dense(model, config, ex.prompt_ids, acfg.num_blocks, params)
         for j in range(len(cap.block_starts) - 1):
             r = analyse_pair(model, config, cap, j, acfg, chans)
             if r is not None:
                 pairs.append({"example": ex.example_id, **r})
         del cap
-        if progress is not None:
-            progress(n + 1, len(chosen))
     cfg = {k: getattr(acfg, k) for k in acfg.__dataclass_fields__}
     return {"config": cfg, "pairs": pairs, "summary": summarise(pairs, acfg.oracle_budget)}
 
