@@ -355,13 +355,18 @@ def analyse_pair(
     def cat(a: list[torch.Tensor], c: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.cat([x, y], dim=1) for x, y in zip(a, c, strict=True)]
 
-    rep_id = torch.tensor([mask_id])
-    rep_pos = s1 + b // 2
+    def rep(tail_k: list, tail_v: list, select_k: int | None = None) -> dict[int, torch.Tensor]:
+        """The representative query (one [MASK] at S + B/2) over [0, S_n) + a tail."""
+        keys, values = cat(pk, tail_k), cat(pv, tail_v)
+        ids = torch.tensor([mask_id])
+        return run(keys, values, ids, s1 + b // 2, self_attend=False, select_k=select_k)[0].imp
+
+    none: list[torch.Tensor] = [t[:, :0] for t in pk]
     masks = torch.full((b,), mask_id, dtype=torch.long)
     imps: dict[str, dict[int, torch.Tensor]] = {
-        "rep_omitted": run(pk, pv, rep_id, rep_pos, self_attend=False)[0].imp,
-        "rep_draft": run(cat(pk, dk), cat(pv, dv), rep_id, rep_pos, self_attend=False)[0].imp,
-        "rep_completed": run(cat(pk, tk), cat(pv, tv), rep_id, rep_pos, self_attend=False)[0].imp,
+        "rep_omitted": rep(none, none),
+        "rep_draft": rep(dk, dv),
+        "rep_completed": rep(tk, tv),
         "block_draft": run(cat(pk, dk), cat(pv, dv), masks, s1, self_attend=True)[0].imp,
         "block_completed": {i: importance(steps[0].q[i], own(steps[0], i), s_n) for i in layers},
     }
@@ -391,9 +396,7 @@ def analyse_pair(
             out["proxy"][f"{x:g}"] = per_layer
     out["rep_draft_selected"] = {}
     for x in budgets:
-        imp = run(cat(pk, dk), cat(pv, dv), rep_id, rep_pos, self_attend=False, select_k=kb[x])[
-            0
-        ].imp
+        imp = rep(dk, dv, select_k=kb[x])
         out["rep_draft_selected"][f"{x:g}"] = [
             recall_of(topk_mask(imp[i], kb[x]), oracle[i], k_o).mean().item() for i in layers
         ]
