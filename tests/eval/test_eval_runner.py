@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import torch
-from conftest import SMALL
+from eval_helpers import SMALL, stdlib_corpus, tokenizer
 
 from herald.eval.runner import DecodeConfig, Unit, plan_units, run_unit
 from herald.eval.tasks import build_examples
 from herald.models.registry import build_model, get_preset
 
 
-def test_herald_at_budget_one_equals_dense(corpus, tok):
+def test_herald_at_budget_one_equals_dense():
+    corpus, tok = stdlib_corpus(), tokenizer()
     config = get_preset("tiny-sdar")
     model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=1)
     examples = build_examples("line", corpus, tok, 256, 3, SMALL)

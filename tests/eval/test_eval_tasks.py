@@ -9,7 +9,7 @@ import keyword
 import re
 
 import pytest
-from conftest import SMALL
+from eval_helpers import SMALL, stdlib_corpus, tokenizer
 
 from herald.eval.sources import Corpus
 from herald.eval.tasks import (
@@ -19,6 +19,16 @@ from herald.eval.tasks import (
     line_candidates,
     selection_hash,
 )
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return stdlib_corpus()
 
 
 @pytest.fixture(scope="module")
