@@ -173,10 +173,17 @@ def markdown(
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
         "with sha256 of every file): **line** = RepoBench-P-style next-line completion (cross-file context + in-file "
         "prefix; EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
-        "use of an identifier defined thousands of tokens earlier and absent from the last "
+        f"use of an identifier defined at least {cfg.get('tasks', {}).get('min_distance', '?')} tokens earlier "
+        "and absent from the last "
         f"{cfg.get('decode', {}).get('control_tokens', 512)} tokens (headline = EM). **control** = dense on only the "
         f"last {cfg.get('decode', {}).get('control_tokens', 512)} prompt tokens. Avg = mean of the headline scores; "
-        "Δ = Avg - dense; agree = % of predictions identical to dense's.",
+        "Δ = Avg - dense; agree = % of predictions identical to dense's. Decoding: greedy, "
+        + (
+            f"{cfg['decode']['steps']} fixed steps per block"
+            if cfg.get("decode", {}).get("steps")
+            else f"confidence threshold {cfg.get('decode', {}).get('threshold', '?')}"
+        )
+        + "; bold = dense and each mode's operating budget (paper Table II).",
         "",
     ]
     for ctx in table["contexts"]:
