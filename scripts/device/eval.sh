@@ -18,9 +18,10 @@
 # results/eval/<part> in the working tree) and rerun the same part: finished units are skipped.
 #
 # Env: CKPT (checkpoint directory, required), N (64 examples per task and context),
-#      TIME_LIMIT (480), ANALYSIS (8 examples for Fig. 7/9; 0 = off), EXTRA (more flags).
+#      TIME_LIMIT (480), ANALYSIS (8 examples for Fig. 7/9; 0 = off), EXTRA (more flags),
+#      HERALD_COMPILE (0: eager; accuracy runs need no torch.compile warm-up per new shape).
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HERALD_COMPILE=${HERALD_COMPILE:-0}
 OUT=${OUT:-/tmp/out}
 PART=${1:-smoke}
 : "${CKPT:?set CKPT to the checkpoint directory}"
