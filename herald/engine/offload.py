@@ -34,6 +34,7 @@ import torch
 
 from herald.config import OffloadConfig, SamplingParams
 from herald.diffusion.batch import DecodeBatch
+from herald.diffusion.block import BlockLayout
 from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.dense import EngineStats
 from herald.engine.request import Request, RequestStatus, new_request
@@ -237,6 +238,7 @@ class OffloadEngine:
         self.use_cuda_graph = use_cuda_graph and self.cuda
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
         self._random_pages: torch.Tensor | None = None
+        self._stagings: dict[str, _PinnedStaging] = {}
         self._eager_keys: set[tuple[int, int]] = set()
         # Last: the pinned registrations and the worker thread, so that nothing above (a GPU
         # allocation running out of memory) can leave a thread or pinned memory behind.
@@ -271,8 +273,16 @@ class OffloadEngine:
         last = self.block_size if prefix >= self.block_size else 0
         return min(math.ceil(self.offload.kv_budget * prefix), prefix - last)
 
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """CPU pool pages a request holds while it runs: its canvas (prompt + max_new_tokens,
+        rounded up to whole blocks of B tokens) plus one draft / scratch page."""
+        return (
+            BlockLayout(prompt_len, self.block_size, max_new_tokens).total_len // (self.block_size)
+            + 1
+        )
+
     def _pages_needed(self, req: Request) -> int:
-        return req.layout.total_len // self.block_size + 1  # + the draft / scratch page
+        return self.pages_needed(req.prompt_len, req.params.max_new_tokens)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
@@ -316,6 +326,9 @@ class OffloadEngine:
             self._sync()
             unregister_pinned(self._handoff_pinned)
             self._handoff_pinned = []
+        for staging in self._stagings.values():
+            staging.close()
+        self._stagings.clear()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -676,24 +689,38 @@ class OffloadEngine:
             t[dst].copy_(t[src])
 
     # -- MAGE step 0 ----------------------------------------------------------------------------
+    def _staging(self, name: str, numel: int) -> _PinnedStaging:
+        """The pinned staging buffer ``name`` (created on first use, grown if too small)."""
+        st = self._stagings.get(name)
+        if st is None or st.numel < numel:
+            if st is not None:
+                st.close()
+            st = self._stagings[name] = _PinnedStaging(numel, self.cpu_pool.dtype, self.cuda)
+        return st
+
     def _full_rows(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request i's committed K/V of ``layer`` from the CPU pool: [Hkv, start, D] each."""
+        """Request i's committed K/V of ``layer`` from the CPU pool: [Hkv, start, D] each.
+
+        The pages are gathered into pinned staging (two buffers, alternating by request) and
+        copied to the device asynchronously at full PCIe speed (a pageable source copies at a
+        fraction of it); the page-major layout is turned into rows on the device."""
         b, pl = self.block_size, layer - self.num_dense
         ids = self.cpu_pool.pages(self.batch.requests[i].request_id)[: start // b]
         pages = torch.tensor(ids, dtype=torch.long)
-        out = []
-        for pool in (self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)):
-            rows = (
-                pool.index_select(0, pages)
-                .transpose(0, 1)
-                .reshape(pool.shape[1], start, pool.shape[3])
-            )
-            out.append(rows.to(self.device, self.dtype, non_blocking=True))
-        return out[0], out[1]
+        kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
+        shape = (2, len(ids), *kp.shape[1:])  # [2, pages, Hkv, B, D]
+        staging = self._staging(f"full_rows{i % 2}", math.prod(shape))
+        host = staging.take(shape)  # NOTE: waits until this buffer's previous copy completed
+        torch.index_select(kp, 0, pages, out=host[0])
+        torch.index_select(vp, 0, pages, out=host[1])
+        dev = host.to(self.device, self.dtype, non_blocking=True)
+        staging.copied()
+        rows = dev.transpose(1, 2).reshape(2, kp.shape[1], start, kp.shape[3])
+        return rows[0], rows[1]
 
     def _proxy_fetch(self, layer: int, q: torch.Tensor) -> None:
         """InfiniGen step 0 for one layer: proxy top-k per row, rows fetched into the pool."""
-        b, buf, pl = self.block_size, self.pool.active, layer - self.num_dense
+        b, buf = self.block_size, self.pool.active
         reqs, starts = self.batch.requests, self.batch.starts()
         chans = self.proxy_chans[layer]
         picks, tables = [], []
@@ -712,16 +739,35 @@ class OffloadEngine:
             # device-to-host copy into the pool still in flight must land before host reads.
             torch.cuda.current_stream(self.device).synchronize()
         num = torch.tensor([x.shape[1] for x in picks], dtype=torch.int32)
-        out = gather_selected(self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, idx, num)
-        self._write_selected(buf, layer, out)
+        self._gather_and_write(buf, layer, table, idx, num)
+
+    def _gather_and_write(
+        self,
+        buf: int,
+        layer: int,
+        table: torch.Tensor,
+        indices: torch.Tensor,
+        num_selected: torch.Tensor,
+    ) -> None:
+        """Gather the selected rows of ``layer`` into pinned staging and write them into the pool
+        rows ``[0, k_r)`` of every request (one asynchronous host-to-device copy)."""
+        pl = layer - self.num_dense
+        kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
+        shape = (2, indices.shape[0], indices.shape[1], indices.shape[2], kp.shape[3])
+        staging = self._staging("selected", math.prod(shape))
+        host = staging.take(shape)  # NOTE: waits until the previous layer's copy completed
+        gather_selected(
+            kp, vp, table, indices, num_selected, out=host, num_threads=self.selection_threads
+        )
+        self._write_selected(buf, layer, host.to(self.device, self.dtype, non_blocking=True))
+        staging.copied()
 
     def _write_selected(self, buf: int, layer: int, gathered: torch.Tensor) -> None:
-        """Gathered rows ``[2, n, Hkv, k_max, D]`` (CPU) -> pool rows ``[0, k_r)`` per request.
+        """Gathered rows ``[2, n, Hkv, k_max, D]`` -> pool rows ``[0, k_r)`` per request.
 
         NOTE: exactly k_r rows each: rows past a request's k in ``gathered`` are uninitialised,
         and the pool rows after k_r hold the last completed block."""
-        gk = gathered[0].to(self.device, self.dtype)
-        gv = gathered[1].to(self.device, self.dtype)
+        gk, gv = gathered[0], gathered[1]
         for i, kk in enumerate(self.k_sel):
             self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
             self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
@@ -776,8 +822,7 @@ class OffloadEngine:
             output_mode=self.offload.output_mode,
             num_threads=self.selection_threads,
         )
-        out = gather_selected(kp, vp, table, res.indices, res.num_selected)
-        self._write_selected(buf, layer, out)
+        self._gather_and_write(buf, layer, table, res.indices, res.num_selected)
         if self.offload.output_mode == "selected":
             # Attention over the selected rows (+ last and current block) is what "selected"
             # means; computed on the model device from the pool just filled, in the model's own
@@ -829,3 +874,34 @@ def _selection_threads(requested: int | None) -> int:
     if os.environ.get("HERALD_SELECTION_THREADS"):
         return default_num_threads()
     return max(1, default_num_threads() - 2)
+
+
+class _PinnedStaging:
+    """A host buffer (pinned on CUDA) reused for host-to-device copies.
+
+    :meth:`take` returns a view and first waits for the copy issued from the previous view
+    (:meth:`copied` records it): no staging reuse before its copy completed.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, cuda: bool) -> None:
+        self.numel = numel
+        self.buf = torch.empty(numel, dtype=dtype)
+        self.cuda = cuda
+        self._addrs = register_pinned(self.buf) if cuda else []
+        self._event: torch.cuda.Event | None = None
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.buf[: math.prod(shape)].view(shape)
+
+    def copied(self) -> None:
+        if self.cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def close(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        unregister_pinned(self._addrs)

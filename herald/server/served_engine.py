@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from herald.config import OffloadConfig, SamplingParams
-from herald.diffusion.block import BlockLayout
 from herald.engine.dense import DenseEngine
 from herald.engine.offload import OffloadEngine
 from herald.engine.request import new_request
@@ -73,13 +72,8 @@ def kv_budget(engine: Engine) -> float:
 
 
 def cpu_pages_needed(engine: OffloadEngine, prompt_len: int, max_new_tokens: int) -> int:
-    """CPU pool pages a request holds while it runs: its canvas (prompt + max_new_tokens in
-    whole blocks) plus one draft / scratch page.
-
-    NOTE: mirrors ``OffloadEngine._pages_needed`` (private); tests/server checks they agree.
-    """
-    b = engine.block_size
-    return BlockLayout(prompt_len, b, max_new_tokens).total_len // b + 1
+    """CPU pool pages a request holds while it runs (:meth:`OffloadEngine.pages_needed`)."""
+    return engine.pages_needed(prompt_len, max_new_tokens)
 
 
 def check_fits(engine: Engine, prompt_ids: Sequence[int], params: SamplingParams) -> None:
