@@ -272,9 +272,7 @@ def test_random_prefill_decodes_and_times_blocks(mode):
     per-block timings: the retrieval job of herald runs inside its block."""
     model, config = _model("tiny-llada2")
     cfg = OffloadConfig(**{**vars(MODES[mode]), "kv_budget": 0.2})
-    eng = OffloadEngine(
-        model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True
-    )
+    eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True)
     params = SamplingParams(max_new_tokens=64, num_denoise_steps=4, ignore_eos=True)
     reqs = eng.generate(_prompts(config, [192, 256]), params)  # whole blocks
     eng.close()
