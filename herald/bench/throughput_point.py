@@ -34,7 +34,6 @@ from herald.engine.dense import DenseEngine
 from herald.engine.offload import OffloadEngine
 from herald.engine.request import Request
 from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
-from herald.kv.pinned import unregister_pinned
 from herald.kv.selection import gather_selected, select_topk
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -114,59 +113,6 @@ def pages_per_request(context: int, new_tokens: int, block_size: int) -> int:
 # -- engines ------------------------------------------------------------------------------------
 
 
-def synthetic_offload_prefill(engine: OffloadEngine, req: Request, slot: int) -> tuple[int, int]:
-    """What :meth:`OffloadEngine._prefill` leaves behind, with random values and no forward.
-
-    Dense layers' KV rows ``[0, s)`` of ``slot`` and (InfiniGen) the partial-key cache get
-    N(0, 1) values; the CPU pool pages already hold random values (:func:`new_cpu_pool`); the
-    active sparse pool gets k random "selected" rows plus the last prompt block, as the first
-    block's selection would leave it. Returns (k, last) like ``_prefill``.
-
-    Unlike ``OffloadEngine(random_prefill=True)``, which writes random values into every
-    request's CPU pages (~1 GiB per 32K-token LLaDA2.0-mini request, seconds per point at large
-    batches), nothing is written on the CPU side. NOTE: written against the engine's attributes
-    (``dense_k``, ``dense_v``, ``partial_k``, ``pool``, ``budget_for``).
-    """
-    b = engine.block_size
-    s = req.layout.num_prefill_tokens
-    engine.stats.num_prefill_tokens += s
-    for t in engine.dense_k[: engine.num_dense] + engine.dense_v[: engine.num_dense]:
-        assert t is not None
-        t[slot, :, :s].normal_()
-    for part in engine.partial_k.values():
-        part[slot, :, :s].normal_()
-    if s == 0:
-        return 0, 0
-    last = b if s >= b else 0
-    k = engine.budget_for(s)
-    buf = engine.pool.active
-    for layer in engine.pool.layers:
-        engine.pool.k(buf, layer)[slot, :, : k + last].normal_()
-        engine.pool.v(buf, layer)[slot, :, : k + last].normal_()
-    return k, last
-
-
-class SyntheticPrefillOffloadEngine(OffloadEngine):
-    """:class:`OffloadEngine` whose prefill is :func:`synthetic_offload_prefill`; a failed
-    constructor (GPU out of memory after the retrieval worker started) stops the worker and
-    unregisters the hand-off staging, so no thread or pinned memory outlives the failure."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().__init__(*args, **kwargs)
-        except BaseException:
-            worker = getattr(self, "worker", None)
-            if worker is not None:
-                worker.close()
-            pinned = getattr(self, "_handoff_pinned", None)
-            if pinned:
-                unregister_pinned(pinned)
-            raise
-
-    def _prefill(self, req: Request, slot: int) -> tuple[int, int]:
-        return synthetic_offload_prefill(self, req, slot)
-
-
 @dataclass
 class PointSettings:
     """What every point of a run shares."""
@@ -237,14 +183,16 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
             f"pinned staging {staging:.1f} GiB + reserve {ps.dram_reserve_gib:.0f} GiB > "
             f"{avail:.1f} GiB of DRAM available"
         )
-    cls: type[OffloadEngine] = OffloadEngine if ps.real_prefill else SyntheticPrefillOffloadEngine
-    offload_engine = cls(
+    # Synthetic prefill: the pool pages already hold random values (new_cpu_pool), so only the
+    # GPU side (dense layers' KV, first block's sparse pool) is filled per request.
+    offload_engine = OffloadEngine(
         ps.model,
         ps.config,
         cfg,
         max_batch_size=batch,
         max_seq_len=seq,
         cpu_pool=ps.cpu_pool,
+        random_prefill=False if ps.real_prefill else "gpu",
         use_cuda_graph=ps.offload_cuda_graph,
     )
     return offload_engine, cfg

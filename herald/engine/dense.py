@@ -9,7 +9,6 @@ chunks) when they are admitted, between steps.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ import torch
 from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
-from herald.engine.request import Request, RequestStatus, new_request
+from herald.engine.request import Request, RequestStatus, abort_request, new_request
 from herald.kv.dense_cache import DenseAttention, DenseKVCache
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -117,12 +116,7 @@ class DenseEngine:
         """Cancel ``request``: a waiting one leaves the queue now; a running one is marked
         ``FINISHED_ABORTED`` and its row and KV slot are freed at the next step boundary
         (compacted exactly as finished rows are). A finished request is left as it is."""
-        if request.status.finished:
-            return
-        if request.status == RequestStatus.WAITING:
-            with contextlib.suppress(ValueError):
-                self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED_ABORTED
+        abort_request(request, self.waiting)
 
     def _drop_aborted(self) -> None:
         rows = [

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -91,3 +93,14 @@ def new_request(
     if bad:
         raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
     return req
+
+
+def abort_request(request: Request, waiting: deque[Request]) -> None:
+    """Mark ``request`` ``FINISHED_ABORTED``; a waiting one also leaves ``waiting`` (the engine's
+    queue). A finished request is left as it is. The engine frees a running one's KV later."""
+    if request.status.finished:
+        return
+    if request.status == RequestStatus.WAITING:
+        with contextlib.suppress(ValueError):
+            waiting.remove(request)
+    request.status = RequestStatus.FINISHED_ABORTED

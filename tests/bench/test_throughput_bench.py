@@ -147,7 +147,7 @@ def test_failed_engine_constructor_leaves_no_retrieval_thread(monkeypatch):
     model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
     before = sum(t.name == "herald-retrieval" for t in threading.enumerate())
     with pytest.raises(torch.OutOfMemoryError):
-        throughput_point.SyntheticPrefillOffloadEngine(
+        offload.OffloadEngine(
             model, config, VARIANTS["infinigen"].offload_config(0.2, 2),
             max_batch_size=2, max_seq_len=256,
         )  # fmt: skip
