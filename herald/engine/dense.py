@@ -4,7 +4,8 @@ The strong baseline every other mode is compared against, and the reference for 
 invariant. One :meth:`step` is one batched B-token forward over every running request (denoising
 steps and commit forwards share it) followed by the block-diffusion bookkeeping of
 :class:`~herald.diffusion.batch.DecodeBatch`. New requests are prefilled (whole prompt blocks, in
-chunks) when they are admitted, between steps.
+chunks) between steps; with ``max_prefill_tokens`` at most that many prompt tokens per step, so a
+long prompt is prefilled over several steps while the running requests keep decoding.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class DenseEngine:
         max_batch_size: running requests at most (KV slots).
         max_seq_len: tokens per request at most (prompt + max_new_tokens, rounded up to blocks).
         prefill_chunk_tokens: prompt tokens per prefill forward (rounded down to whole blocks).
+        max_prefill_tokens: prompt tokens prefilled per step at most (rounded down to whole
+            blocks, at least one block); one request is prefilled at a time and joins the batch
+            after its last chunk. None: every admitted prompt is prefilled whole before the step.
         check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
         random_prefill: fill the prompt's KV with random values instead of running the prompt
             forward (decode-throughput benchmarks only: decode speed does not depend on values).
@@ -66,11 +70,14 @@ class DenseEngine:
         max_batch_size: int,
         max_seq_len: int,
         prefill_chunk_tokens: int = 4096,
+        max_prefill_tokens: int | None = None,
         check_finite: bool = False,
         random_prefill: bool = False,
         use_cuda_graph: bool = True,
     ) -> None:
         self.model = model
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {max_prefill_tokens}")
         self.config = config
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(
@@ -86,6 +93,14 @@ class DenseEngine:
         self.waiting: deque[Request] = deque()
         self.max_batch_size = max_batch_size
         self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
+        self.max_prefill_tokens = (
+            None if max_prefill_tokens is None else max(b, (max_prefill_tokens // b) * b)
+        )
+        # The request being prefilled over several steps: its KV slot (always >= the batch size:
+        # running rows only leave while it prefills) and the prompt tokens done so far.
+        self._prefilling: Request | None = None
+        self._prefill_slot = 0
+        self._prefill_pos = 0
         self.stats = EngineStats()
         self.check_finite = check_finite
         self.random_prefill = random_prefill
@@ -110,7 +125,7 @@ class DenseEngine:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or len(self.batch) > 0
+        return bool(self.waiting) or len(self.batch) > 0 or self._prefilling is not None
 
     def abort(self, request: Request) -> None:
         """Cancel ``request``: a waiting one leaves the queue now; a running one is marked
@@ -143,32 +158,60 @@ class DenseEngine:
 
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _prefill(self, req: Request, slot: int) -> None:
-        """Forward the whole prompt blocks of ``req`` into KV slot ``slot``, in chunks."""
-        n = req.layout.num_prefill_tokens
+    def _prefill(self, req: Request, slot: int, start: int, end: int) -> None:
+        """Forward prompt tokens ``[start, end)`` (whole blocks) of ``req`` into KV slot
+        ``slot``, in chunks of ``prefill_chunk_tokens``; tokens before ``start`` are there."""
         if self.random_prefill:
             for t in self.cache.k + self.cache.v:
-                t[slot, :, :n].normal_()
-            self.stats.num_prefill_tokens += n
+                t[slot, :, start:end].normal_()
+            self.stats.num_prefill_tokens += end - start
             return
-        ids = torch.tensor(req.prompt_ids[:n], dtype=torch.long, device=self.device)
-        for s in range(0, n, self.prefill_chunk):
-            e = min(n, s + self.prefill_chunk)
+        ids = torch.tensor(req.prompt_ids[start:end], dtype=torch.long, device=self.device)
+        for s in range(start, end, self.prefill_chunk):
+            e = min(end, s + self.prefill_chunk)
             self.attn.prepare([s], e - s, block_size=self.config.block_size, slot_offset=slot)
             pos = torch.arange(s, e, device=self.device)[None]
             # Prefill needs no logits: the final norm is wasted work but negligible.
-            self.model(ids[None, s:e], pos, self.attn)
+            self.model(ids[None, s - start : e - start], pos, self.attn)
             self.stats.num_forwards += 1
-        self.stats.num_prefill_tokens += n
+        self.stats.num_prefill_tokens += end - start
 
     def _admit(self) -> None:
-        while self.waiting and len(self.batch) < self.max_batch_size:
-            req = self.waiting.popleft()
-            t0 = time.perf_counter()
-            self._prefill(req, len(self.batch))
-            self._sync()
-            self.stats.prefill_seconds += time.perf_counter() - t0
+        """Prefill waiting requests into free slots, within ``max_prefill_tokens`` this step."""
+        budget = self.max_prefill_tokens
+        while True:
+            req = self._prefilling
+            if req is not None and req.status.finished:  # aborted while prefilling
+                self._prefilling = req = None
+            if req is None:
+                if not self.waiting or len(self.batch) >= self.max_batch_size:
+                    return
+                req = self._prefilling = self.waiting.popleft()
+                self._prefill_slot, self._prefill_pos = len(self.batch), 0
+            n = req.layout.num_prefill_tokens
+            end = n if budget is None else min(n, self._prefill_pos + budget)
+            if end > self._prefill_pos:
+                t0 = time.perf_counter()
+                try:
+                    self._prefill(req, self._prefill_slot, self._prefill_pos, end)
+                    self._sync()
+                except BaseException:
+                    self._prefilling = None  # the request is dropped; the caller fails it
+                    raise
+                self.stats.prefill_seconds += time.perf_counter() - t0
+                if budget is not None:
+                    budget -= end - self._prefill_pos
+                self._prefill_pos = end
+            if self._prefill_pos < n:
+                return  # budget spent; the rest at the next step
+            row = len(self.batch)
+            if self._prefill_slot != row:
+                # Rows left while it prefilled: its KV moves down to the row it joins as.
+                self.cache.move_slot(self._prefill_slot, row, n)
             self.batch.add(req)
+            self._prefilling = None
+            if budget is not None and budget <= 0:
+                return
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

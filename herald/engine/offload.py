@@ -78,6 +78,18 @@ class OffloadStats(EngineStats):
     blocks: list[BlockTiming] = field(default_factory=list)
 
 
+@dataclass
+class _Prefill:
+    """A prompt being prefilled over one or more block boundaries: its full KV of every layer in
+    a temporary store ``[1, Hkv, S + B, D]`` per layer (allocated at the first chunk)."""
+
+    req: Request
+    pos: int = 0  # prompt tokens prefilled so far
+    tk: list[torch.Tensor] | None = None
+    tv: list[torch.Tensor] | None = None
+    temp: SlotAttention | None = None
+
+
 class _RoutedAttention:
     """Dense store for the first layers, sparse pool for the rest."""
 
@@ -128,6 +140,11 @@ class OffloadEngine:
         model, config: as for :class:`~herald.engine.dense.DenseEngine`.
         offload: the switches (:class:`~herald.config.OffloadConfig`).
         max_batch_size, max_seq_len: running requests and tokens per request at most.
+        prefill_chunk_tokens: prompt tokens per prefill forward (whole blocks).
+        max_prefill_tokens: prompt tokens prefilled per block boundary at most (whole blocks, at
+            least one); one request is prefilled at a time, its full prompt KV held in a
+            temporary GPU store until its last chunk, then it joins the batch. None: every
+            admitted prompt is prefilled whole at the boundary.
         cpu_pool: an existing pool (tests); default: one sized by ``offload.cpu_kv_gb`` /
             ``offload.cpu_kv_tokens`` or by ``max_batch_size x max_seq_len``.
         retrieval_delay: a callable returning seconds to sleep at each retrieval layer (the
@@ -152,6 +169,7 @@ class OffloadEngine:
         max_batch_size: int,
         max_seq_len: int,
         prefill_chunk_tokens: int = 4096,
+        max_prefill_tokens: int | None = None,
         cpu_pool: CpuKVPool | None = None,
         retrieval_delay: Callable[[], float] | None = None,
         record_selection: bool = False,
@@ -177,6 +195,12 @@ class OffloadEngine:
         self.max_seq_len = -(-max_seq_len // b) * b
         self.max_batch_size = max_batch_size
         self.prefill_chunk = max(b, (prefill_chunk_tokens // b) * b)
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {max_prefill_tokens}")
+        self.max_prefill_tokens = (
+            None if max_prefill_tokens is None else max(b, (max_prefill_tokens // b) * b)
+        )
+        self._prefilling: _Prefill | None = None
         hkv, d = config.num_kv_heads, config.head_dim
         # Dense store: rows [0, max_seq_len) by absolute position + B rows for a draft.
         dshape = (max_batch_size, hkv, self.max_seq_len + b, d)
@@ -304,7 +328,7 @@ class OffloadEngine:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or len(self.batch) > 0
+        return bool(self.waiting) or len(self.batch) > 0 or self._prefilling is not None
 
     def abort(self, request: Request) -> None:
         """Cancel ``request``. A waiting one leaves the queue now. A running one is marked
@@ -317,9 +341,11 @@ class OffloadEngine:
         """Stop the retrieval thread, release every request's pages and the pinned memory."""
         if self.worker is not None:
             self.worker.close()
-        for req in self.batch.requests:
+        prefilling = [self._prefilling.req] if self._prefilling is not None else []
+        for req in self.batch.requests + prefilling:
             if req.request_id in self.cpu_pool:
                 self.cpu_pool.free(req.request_id)
+        self._prefilling = None
         if self._handoff_pinned:
             self._sync()
             unregister_pinned(self._handoff_pinned)
@@ -335,43 +361,84 @@ class OffloadEngine:
     # -- admission: prefill + the first block's exact selection ---------------------------------
     @torch.inference_mode()
     def _admit(self) -> None:
-        while (
-            self.waiting
-            and len(self.batch) < self.max_batch_size
-            and self.cpu_pool.can_allocate(self._pages_needed(self.waiting[0]))
-        ):
-            req = self.waiting.popleft()
+        """At a block boundary: prefill waiting requests (pages allocated first), within
+        ``max_prefill_tokens``; a prompt whose prefill is not done continues at the next one."""
+        budget = self.max_prefill_tokens
+        while True:
+            st = self._prefilling
+            if st is not None and st.req.status.finished:  # aborted while prefilling
+                self.cpu_pool.free(st.req.request_id)
+                self._prefilling = st = None
+            if st is None:
+                if not (
+                    self.waiting
+                    and len(self.batch) < self.max_batch_size
+                    and self.cpu_pool.can_allocate(self._pages_needed(self.waiting[0]))
+                ):
+                    return
+                req = self.waiting.popleft()
+                self.cpu_pool.allocate(req.request_id, self._pages_needed(req))
+                st = self._prefilling = _Prefill(req)
+            req = st.req
+            n = req.layout.num_prefill_tokens
+            end = n if budget is None or self.random_prefill else min(n, st.pos + budget)
             t0 = time.perf_counter()
-            slot = len(self.batch)
-            self.cpu_pool.allocate(req.request_id, self._pages_needed(req))
-            k, last = self._prefill(req, slot)
+            try:
+                if end > st.pos and not self.random_prefill:
+                    self._prefill_chunk(st, end)
+                if budget is not None:
+                    budget -= end - st.pos
+                st.pos = end
+                done = st.pos >= n
+                if done:
+                    k, last = self._prefill(st, len(self.batch))
+                self._sync()
+            except BaseException:
+                # The request is dropped (the caller fails it); its pages come back.
+                self._prefilling = None
+                self.cpu_pool.free(req.request_id)
+                raise
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            if not done:
+                return  # budget spent; the rest at the next block boundary
+            self._prefilling = None
             self.k_sel.append(k)
             self.last_len.append(last)
             self.batch.add(req)
-            self._sync()
-            self.stats.prefill_seconds += time.perf_counter() - t0
+            if budget is not None and budget <= 0:
+                return
 
-    def _prefill(self, req: Request, slot: int) -> tuple[int, int]:
-        """Prompt forward into a temporary full store; KV to the dense store and the CPU pool;
-        the first block's selection with its B queries, exact, on the GPU. Returns (k, last)."""
+    def _prefill_chunk(self, st: _Prefill, end: int) -> None:
+        """Prompt tokens ``[st.pos, end)`` forward into the request's temporary full store."""
+        b, cfg = self.block_size, self.config
+        s = st.req.layout.num_prefill_tokens
+        if st.tk is None:
+            shape = (1, cfg.num_kv_heads, s + b, cfg.head_dim)
+            dev, dt, nl = self.device, self.dtype, cfg.num_layers
+            st.tk = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(nl)]
+            st.tv = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(nl)]
+            st.temp = SlotAttention(list(st.tk), list(st.tv))
+        assert st.temp is not None
+        ids = torch.tensor(st.req.prompt_ids[st.pos : end], dtype=torch.long, device=self.device)
+        for c in range(st.pos, end, self.prefill_chunk):
+            e = min(end, c + self.prefill_chunk)
+            st.temp.prepare([c], e - c, block_size=b)
+            pos = torch.arange(c, e, device=self.device)[None]
+            self.model(ids[None, c - st.pos : e - st.pos], pos, st.temp)
+        self.stats.num_prefill_tokens += end - st.pos
+
+    def _prefill(self, st: _Prefill, slot: int) -> tuple[int, int]:
+        """The prefilled prompt's KV to the dense store (slot ``slot``) and the CPU pool; the
+        first block's selection with its B queries, exact, on the GPU. Returns (k, last)."""
+        req = st.req
         if self.random_prefill:
             return self._random_prefill(req, slot)
         b, cfg = self.block_size, self.config
         s = req.layout.num_prefill_tokens
-        shape = (1, cfg.num_kv_heads, s + b, cfg.head_dim)
-        tk = [
-            torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_layers)
-        ]
-        tv = [
-            torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_layers)
-        ]
-        temp = SlotAttention(list(tk), list(tv))
-        ids = torch.tensor(req.prompt_ids[:s], dtype=torch.long, device=self.device)
-        for c in range(0, s, self.prefill_chunk):
-            e = min(s, c + self.prefill_chunk)
-            temp.prepare([c], e - c, block_size=b)
-            self.model(ids[None, c:e], torch.arange(c, e, device=self.device)[None], temp)
-        self.stats.num_prefill_tokens += s
+        if s == 0:
+            return 0, 0
+        assert st.tk is not None and st.tv is not None and st.temp is not None
+        tk, tv, temp = st.tk, st.tv, st.temp
         pages = self.cpu_pool.pages(req.request_id)
         nblk = s // b
         for layer in range(cfg.num_layers):
@@ -390,8 +457,6 @@ class OffloadEngine:
             self.partial_k[layer][slot, :, :s] = keys.gather(2, idx)
         last = b if s >= b else 0
         k = self.budget_for(s)
-        if s == 0:
-            return 0, 0
         # The first block's B queries, exact over the full prompt KV (DESIGN §2 "Prefill").
         recorder = _QueryRecorder(temp)
         start = req.layout.first_block_start

@@ -130,6 +130,48 @@ def test_request_errors():
         eng.add_request([1, 2], SamplingParams(max_new_tokens=0))
 
 
+def test_chunked_prefill_across_steps_equals_whole_prefill():
+    """With a prefill budget of 2 blocks per step, long prompts are prefilled over several steps
+    while the others decode; rows that leave meanwhile move the prefilled KV down; the tokens
+    equal whole-prompt prefill."""
+    model, config = _model("tiny-llada2")
+    prompts = _prompts(config, [20, 300, 45, 200, 7], seed=5)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 64, 40, 50, 96)]
+    ref = [r.output_ids for r in _engine(model, config, bs=2).generate(prompts, params)]
+    eng = DenseEngine(
+        model, config, max_batch_size=2, max_seq_len=512, prefill_chunk_tokens=32,
+        max_prefill_tokens=64,
+    )  # fmt: skip
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    overlapped = 0
+    calls = []
+    real_move = eng.cache.move_slot
+    eng.cache.move_slot = lambda *a: (calls.append(a), real_move(*a))[1]  # type: ignore[method-assign]
+    while eng.has_unfinished():
+        eng.step()
+        if eng._prefilling is not None and len(eng.batch):
+            overlapped += 1
+    assert [r.output_ids for r in reqs] == ref
+    assert overlapped >= 3  # 300- and 200-token prompts took several steps next to decoding
+    assert any(src > dst for src, dst, _ in calls)  # a prefilled slot moved down at least once
+    assert eng.stats.num_prefill_tokens == sum(len(p) // 32 * 32 for p in prompts)
+
+
+def test_abort_while_prefilling_drops_the_request():
+    model, config = _model("tiny-sdar")
+    eng = DenseEngine(model, config, max_batch_size=2, max_seq_len=512, max_prefill_tokens=32)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    a, b = (eng.add_request(p, params) for p in _prompts(config, [40, 256]))
+    eng.step()
+    eng.step()
+    assert eng._prefilling is b
+    eng.abort(b)
+    while eng.has_unfinished():
+        eng.step()
+    assert len(a.output_ids) == 32 and b.output_ids == []
+    assert b.status.value == "finished_aborted" and len(eng.batch) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cached_equals_reference_on_gpu(preset):

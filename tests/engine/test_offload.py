@@ -286,6 +286,34 @@ def test_random_prefill_decodes_and_times_blocks(mode):
             assert 0 <= b.retrieval_start <= b.retrieval_end <= b.main + b.stall + 1e-3
 
 
+def test_chunked_prefill_across_boundaries_equals_dense():
+    """Prompts prefilled 64 tokens per block boundary (one request at a time, next to decoding
+    rows; one aborted mid-prefill) give dense's tokens; every page comes back."""
+    model, config = _model("tiny-llada2")
+    prompts = _prompts(config, [20, 300, 45, 200, 7], seed=5)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 64, 40, 50, 96)]
+    dense = DenseEngine(model, config, max_batch_size=2, max_seq_len=512)
+    ref = [r.output_ids for r in dense.generate(prompts, params)]
+    eng = OffloadEngine(
+        model, config, MODES["herald"], max_batch_size=2, max_seq_len=512,
+        prefill_chunk_tokens=32, max_prefill_tokens=64,
+    )  # fmt: skip
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    extra = eng.add_request(_prompts(config, [260], seed=9)[0], params[0])
+    overlapped = 0
+    while eng.has_unfinished():
+        eng.step()
+        if eng._prefilling is not None and len(eng.batch):
+            overlapped += 1
+            if eng._prefilling.req is extra and eng._prefilling.pos >= 64:
+                eng.abort(extra)
+    eng.close()
+    assert [r.output_ids for r in reqs] == ref
+    assert overlapped >= 3
+    assert extra.output_ids == [] and extra.status.value == "finished_aborted"
+    assert eng.cpu_pool.num_used_pages == 0
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_equal_eager_with_retrieval_thread():
     """Piecewise graphs in the offload engine (captured while the retrieval thread runs) give

@@ -98,10 +98,10 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
     real_prefill = engine._prefill
     bad = tokenizer.encode("POISON")
 
-    def prefill(req: Any, slot: int) -> None:
+    def prefill(req: Any, slot: int, *span: int) -> None:
         if req.prompt_ids == bad:
             raise RuntimeError("prefill failed")
-        real_prefill(req, slot)
+        real_prefill(req, slot, *span)
 
     engine._prefill = prefill  # type: ignore[method-assign]
 
