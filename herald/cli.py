@@ -157,7 +157,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens",
         type=int,
         default=4096,
-        help="prompt tokens admitted per block boundary (one longer prompt goes alone)",
+        help="prompt tokens prefilled per block boundary at most; a longer prompt is prefilled "
+        "in chunks over several boundaries (default: %(default)s)",
     )
 
     r = sub.add_parser(

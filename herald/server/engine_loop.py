@@ -17,8 +17,9 @@ handed to the engine, which admits (prefills) them at its next block boundary, o
 * CPU pool (offloading modes): the head request's pages fit in the pages free at that boundary,
   less those promised to requests handed over and not yet admitted;
 * prefill: the prompt tokens handed over and not yet admitted stay within ``max_prefill_tokens``
-  (one longer prompt goes alone), so new prompts are prefilled a bounded chunk per block boundary
-  between the running requests' blocks instead of all at once.
+  (one longer prompt goes alone); the engine, built with the same ``max_prefill_tokens``,
+  prefills at most that many prompt tokens per block boundary, so a long prompt is prefilled in
+  chunks over several boundaries between the running requests' blocks.
 
 The head of the queue blocks the rest (no overtaking, no starvation). Finished requests leave at
 the boundary. An exception while handing a request over fails that request only. An exception

@@ -41,8 +41,10 @@ def build_app(
     bf16 models); ``offload`` its switches (default ``OffloadConfig.for_mode(mode)``; kv budget
     and CPU pool size). ``max_seq_len`` (prompt + generated tokens per request, rounded up to
     whole blocks) is capped at the model's context. ``max_prefill_tokens``: prompt tokens
-    admitted per block boundary at most (:class:`EngineLoop`). The engine thread starts with the
-    app's lifespan. Raises ValueError for bad settings, before the model loads where it can.
+    handed over (:class:`EngineLoop`) and prefilled by the engine per block boundary at most; a
+    longer prompt goes alone and is prefilled over several boundaries. The engine thread
+    starts with the app's lifespan. Raises ValueError for bad settings, before the model loads
+    where it can.
     """
     if mode not in MODES:
         raise ValueError(f"unknown --mode {mode!r}; one of {', '.join(MODES)}")
@@ -57,8 +59,9 @@ def build_app(
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
     seq = min(max_seq_len, config.max_position_embeddings)
     engine = build_engine(
-        mode, net, config, max_batch_size=max_batch_size, max_seq_len=seq, offload=offload
-    )
+        mode, net, config, max_batch_size=max_batch_size, max_seq_len=seq, offload=offload,
+        max_prefill_tokens=max_prefill_tokens,
+    )  # fmt: skip
     if mode != "dense":
         log.info("%s", engine.cpu_pool.describe())  # type: ignore[union-attr]
     metrics = ServerMetrics()

@@ -45,9 +45,12 @@ def build_engine(
     max_batch_size: int,
     max_seq_len: int,
     offload: OffloadConfig | None = None,
+    max_prefill_tokens: int | None = None,
 ) -> Engine:
     """The engine of ``mode``; ``offload`` (offloading modes only, default
-    ``OffloadConfig.for_mode(mode)``) carries the budget and CPU pool size.
+    ``OffloadConfig.for_mode(mode)``) carries the budget and CPU pool size;
+    ``max_prefill_tokens``: prompt tokens the engine prefills per step / block boundary at most
+    (a longer prompt is prefilled over several).
 
     Raises ValueError for an unknown mode or an offload config given with ``dense``.
     """
@@ -58,12 +61,13 @@ def build_engine(
             raise ValueError("--kv-budget and the CPU pool options apply to offloading modes only")
         return DenseEngine(
             model, config, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-            use_cuda_graph=False,
+            max_prefill_tokens=max_prefill_tokens, use_cuda_graph=False,
         )  # fmt: skip
     offload = offload or OffloadConfig.for_mode(mode)
     return OffloadEngine(
-        model, config, offload, max_batch_size=max_batch_size, max_seq_len=max_seq_len
-    )
+        model, config, offload, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        max_prefill_tokens=max_prefill_tokens,
+    )  # fmt: skip
 
 
 def kv_budget(engine: Engine) -> float:

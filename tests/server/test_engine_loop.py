@@ -96,7 +96,7 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
     engine = DenseEngine(model, config, max_batch_size=2, max_seq_len=256, use_cuda_graph=False)
     loop = EngineLoop(engine, max_step_failures=2)
     real_prefill = engine._prefill
-    bad = tokenizer.encode("POISON")
+    bad = tokenizer.encode("POISON" * 10)  # >= one block: a prefill runs
 
     def prefill(req: Any, slot: int, *span: int) -> None:
         if req.prompt_ids == bad:

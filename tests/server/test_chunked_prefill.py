@@ -1,0 +1,53 @@
+"""A long prompt is prefilled in chunks over several block boundaries while others decode."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import Offline, start_server
+
+from herald.config import SamplingParams
+
+
+def test_long_prompt_prefilled_in_chunks_next_to_a_running_request(
+    offline: Offline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv = start_server(max_batch_size=2, max_prefill_tokens=64)
+    try:
+        engine = srv.state.engine_loop.engine
+        assert engine.max_prefill_tokens == 64
+        monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # both run to max_tokens
+        mid_prefill = []
+        real_admit = engine._admit
+
+        def admit() -> None:
+            real_admit()
+            if engine._prefilling is not None and len(engine.batch):
+                mid_prefill.append(engine._prefilling.request_id)
+
+        monkeypatch.setattr(engine, "_admit", admit)
+        short = {"prompt": "import os\n", "max_tokens": 128}
+        long = {"prompt": "def f(x):\n    return x * 2\n" * 8, "max_tokens": 32}  # ~220 tokens
+        got: dict[str, list[int]] = {}
+
+        def post(name: str, body: dict) -> None:
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+            r.raise_for_status()
+            got[name] = r.json()["choices"][0]["token_ids"]
+
+        first = threading.Thread(target=post, args=("short", short))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not len(engine.batch) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        post("long", long)
+        first.join(timeout=120)
+        for name, body in (("short", short), ("long", long)):
+            params = SamplingParams(max_new_tokens=body["max_tokens"], ignore_eos=True)
+            assert got[name] == offline.run(body["prompt"], params), name
+        assert len(mid_prefill) >= 2  # chunks of the long prompt at several boundaries
+    finally:
+        srv.close()
