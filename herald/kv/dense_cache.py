@@ -18,6 +18,9 @@ query of a request sees the same keys, which holds for denoising steps (device.m
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -205,6 +208,8 @@ def _sdpa_folded(
     hkv = keys.shape[1]
     g = hq // hkv
     qf = q.view(bs, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bs, hkv, g * length, d)
+    if qf.is_cuda:
+        configure_sdpa_backends()
     o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
     return o.view(bs, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(bs, length, hq, d)
 
@@ -220,6 +225,7 @@ def _sdpa_gqa(
         # [Hq, S, D] per layer) rather than fall back to the math kernel.
         keys = keys.repeat_interleave(g, dim=1)
         values = values.repeat_interleave(g, dim=1)
+        configure_sdpa_backends()
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
     else:
         o = F.scaled_dot_product_attention(
@@ -262,3 +268,35 @@ class DenseAttention(SlotAttention):
     def __init__(self, cache: DenseKVCache) -> None:
         super().__init__(list(cache.k), list(cache.v))
         self.cache = cache
+
+
+_BACKEND_NAMES = ("cudnn", "flash", "efficient", "math")
+
+
+def configure_sdpa_backends() -> None:
+    """Apply ``HERALD_SDPA_BACKENDS`` (e.g. ``flash,efficient,math``): the SDPA kernels allowed
+    process-wide; unset, PyTorch's own pick. Called before every CUDA attention call; applies a
+    given setting once (PyTorch's switches are global, not per thread, so they are set once
+    rather than around each call, which would race with the retrieval thread).
+
+    NOTE: PyTorch's pick for the engines' shapes is cuDNN, the fastest kernel at steady state,
+    but cuDNN builds an execution plan on the host for every new key length (hundreds of ms at
+    size, ``results/offload/profile``), and decoding meets new key lengths at every block. The
+    setting exists to measure that trade-off. Raises ValueError for an unknown name.
+    """
+    _configure(os.environ.get("HERALD_SDPA_BACKENDS", ""))
+
+
+@functools.cache
+def _configure(spec: str) -> None:
+    if not spec:
+        return
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    if not names or any(x not in _BACKEND_NAMES for x in names):
+        raise ValueError(
+            f"HERALD_SDPA_BACKENDS={spec!r}: a comma-separated list of {', '.join(_BACKEND_NAMES)}"
+        )
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in names)
+    torch.backends.cuda.enable_flash_sdp("flash" in names)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in names)
+    torch.backends.cuda.enable_math_sdp("math" in names)
