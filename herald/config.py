@@ -8,6 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_TEMPERATURE = 100.0
+"""Largest sampling temperature accepted (at 100 the distribution is already nearly uniform)."""
+MIN_TEMPERATURE = 1e-4
+"""Positive temperatures below this sample as this one (nearly greedy)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,7 +24,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     """Generated tokens at most (the prompt tail inside the first block does not count)."""
     temperature: float = 0.0
-    """0 = greedy argmax (deterministic); > 0 samples from softmax(logits / temperature)."""
+    """0 = greedy argmax (deterministic); > 0 samples from softmax(logits / temperature), with
+    at most ``MAX_TEMPERATURE``; values below ``MIN_TEMPERATURE`` act as it (float32 logits
+    divided by less would overflow to inf)."""
     top_k: int = 0
     """Keep the k most likely tokens before sampling (0 = off)."""
     top_p: float = 1.0
@@ -31,8 +38,8 @@ class SamplingParams:
     """Fixed-steps mode (throughput runs): T denoising steps per block, accepting
     ceil(masks_left / steps_left) most-confident positions per step. None = threshold mode."""
     seed: int | None = None
-    """Seed for sampling (temperature > 0); each request owns its generator, so its output does
-    not depend on what else is in the batch."""
+    """Seed for sampling (temperature > 0), in [-2**63, 2**64) (torch.Generator's range); each
+    request owns its generator, so its output does not depend on what else is in the batch."""
     ignore_eos: bool = False
     """Keep decoding past EOS until max_new_tokens (throughput runs)."""
 
@@ -42,8 +49,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from herald.config import SamplingParams
+from herald.config import MIN_TEMPERATURE, SamplingParams
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -53,7 +53,9 @@ def sample_tokens(
         probs = torch.softmax(logits, dim=-1)
         conf, tokens = probs.max(dim=-1)
         return tokens, conf
-    logits = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    # NOTE: a tiny temperature would overflow float32 logits to inf (softmax -> NaN).
+    temperature = max(params.temperature, MIN_TEMPERATURE)
+    logits = _filter_logits(logits / temperature, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     conf = probs.gather(-1, tokens[:, None]).squeeze(-1)

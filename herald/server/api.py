@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from herald.server.chat import ChatTemplate, ChatTemplateError
@@ -112,9 +113,11 @@ def create_app(state: ServerState) -> FastAPI:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware would hide the
         # client's disconnect from the route (needed to abort abandoned requests).
         if state.api_key is not None:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), state.api_key.encode()
+            )
+            if not ok:
                 raise StarletteHTTPException(401, "invalid or missing API key")
 
     auth = [Depends(_auth)]
@@ -132,9 +135,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.metrics.set_pools(pool_usage(state.engine_loop.engine))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=auth)
-    async def models() -> JSONResponse:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
@@ -146,7 +148,19 @@ def create_app(state: ServerState) -> FastAPI:
                 "block_size": state.engine_loop.engine.config.block_size,
             },
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != state.model_name:
+            return error_response(
+                404, f"model {model_id!r} is not served here (try {state.model_name!r})",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return JSONResponse(model_card())
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -162,6 +176,10 @@ def create_app(state: ServerState) -> FastAPI:
         return await _serve(state, request, body, prompt, chat=True)
 
     return app
+
+
+MAX_CHARS_PER_TOKEN = 64
+"""A prompt longer than this many characters per context token is refused before tokenizing."""
 
 
 async def _serve(
@@ -184,10 +202,18 @@ async def _serve(
             f"{body.budget}: the budget is fixed at launch (herald serve --kv-budget)",
             param="budget",
         )  # fmt: skip
-    ids = state.tokenizer.encode(prompt)
+    ctx = state.max_context
+    if len(prompt) > MAX_CHARS_PER_TOKEN * ctx:
+        # NOTE: checked before tokenizing: a many-megabyte prompt would hold a worker thread
+        # (and memory) for seconds only to be refused.
+        return error_response(
+            400, f"the prompt is {len(prompt)} characters, far more than the server's max "
+            f"context of {ctx} tokens", param="prompt", code="context_length_exceeded",
+        )  # fmt: skip
+    # Off the event loop: a long prompt's tokenization must not stall every other request.
+    ids = await run_in_threadpool(state.tokenizer.encode, prompt)
     if not ids:
         return error_response(400, "the prompt is empty", param="prompt")
-    ctx = state.max_context
     if len(ids) >= ctx:
         return error_response(
             400, f"the prompt is {len(ids)} tokens, the server's max context is {ctx}",
@@ -195,6 +221,10 @@ async def _serve(
         )  # fmt: skip
     max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, ctx - len(ids))
     params = body.sampling_params(max_tokens)
+    try:
+        params.validate()
+    except ValueError as e:
+        return error_response(400, str(e))
     try:
         check_fits(state.engine_loop.engine, ids, params)
     except RequestTooLarge as e:

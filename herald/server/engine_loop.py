@@ -154,7 +154,10 @@ class EngineLoop:
             raise EngineDeadError(f"the engine failed and stopped: {self.dead}")
         handle = Handle(list(prompt_ids), params, loop)
         with self._lock:
-            if self._num_waiting >= self.max_waiting:
+            # Submitted requests that free slots will take at once are not "waiting": a burst
+            # fills the free slots, then up to max_waiting queue behind them.
+            free = max(0, self.engine.max_batch_size - self._num_running)
+            if self._num_waiting - free >= self.max_waiting:
                 raise QueueFullError(
                     f"the waiting queue is full ({self.max_waiting} requests); retry later"
                 )

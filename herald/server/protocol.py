@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from herald.config import SamplingParams
+from herald.config import MAX_TEMPERATURE, SamplingParams
 from herald.server.served_engine import MODES
 
 
@@ -40,11 +40,13 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    max_tokens: int | None = Field(
+        default=None, gt=0, validation_alias=AliasChoices("max_tokens", "max_completion_tokens")
+    )
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = 1
     stream: bool = False
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)

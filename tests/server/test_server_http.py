@@ -9,11 +9,12 @@ import asyncio
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, MAX_SEQ_LEN, MODEL, LiveServer, Offline
+from conftest import API_KEY, MAX_SEQ_LEN, MODEL, LiveServer, Offline, start_server
 
 from herald.cli import main as cli_main
 from herald.config import SamplingParams
@@ -190,6 +191,9 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             ({"prompt": "hi", "threshold": 1.5}, 400, "threshold"),
             ({"prompt": "hi", "n": 2}, 400, "n"),
             ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+            ({"prompt": "hi", "temperature": 1e300}, 400, "temperature"),
+            ({"prompt": "hi", "temperature": 1, "seed": 2**64}, 400, "seed"),
+            ({"prompt": "x" * (64 * MAX_SEQ_LEN + 1)}, 400, "prompt"),
             ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
             ({"prompt": "hi", "steps": 0}, 400, "steps"),
             ({"prompt": "hi", "stop": [""]}, 400, "stop"),
@@ -231,6 +235,9 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
                 "budget": 1.0,
             },  # fmt: skip
         )
+        assert r.status_code == 200, r.text
+        # A temperature too small for float32 logits samples (nearly greedy) instead of failing.
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 1e-40})
         assert r.status_code == 200, r.text
         t.join(timeout=60)
     assert got and got[0].status_code == 200, got
@@ -380,3 +387,24 @@ def test_disconnected_non_streaming_client_is_aborted(
         c.post("/v1/completions", json=body)
     _wait(lambda: _idle(server), timeout=4.0)  # well before the request could finish
     assert server.state.engine_loop.num_aborted == aborted + 1
+
+
+def test_burst_fills_free_slots_before_the_queue_and_client_conveniences() -> None:
+    """8 requests at once with 4 slots and a 4-deep queue all run (none gets a 503); the API key
+    scheme is case-insensitive; GET /v1/models/{id}; chat's max_completion_tokens."""
+    srv = start_server(max_batch_size=4, max_waiting=4, api_key=API_KEY)
+    try:
+        auth = {"Authorization": f"bearer {API_KEY}"}
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT, headers=auth) as c:
+            assert c.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+            assert c.get("/v1/models/other").status_code == 404
+            body = {"prompt": "burst", "max_tokens": 48, "steps": 2}
+            with ThreadPoolExecutor(8) as ex:
+                codes = list(ex.map(lambda _: c.post("/v1/completions", json=body).status_code,
+                                    range(8)))  # fmt: skip
+            assert codes == [200] * 8
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5}
+            r = c.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+    finally:
+        srv.close()
