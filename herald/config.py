@@ -11,7 +11,9 @@ from dataclasses import dataclass
 MAX_TEMPERATURE = 100.0
 """Largest sampling temperature accepted (at 100 the distribution is already nearly uniform)."""
 MIN_TEMPERATURE = 1e-4
-"""Positive temperatures below this sample as this one (nearly greedy)."""
+"""Positive temperatures below this sample as this one (float32 logits / less overflow)."""
+MAX_DENOISE_STEPS = 4096
+"""Largest fixed-steps T accepted (a block of B positions never needs more than B)."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.num_denoise_steps is not None and self.num_denoise_steps <= 0:
-            raise ValueError(f"num_denoise_steps must be > 0, got {self.num_denoise_steps}")
+        steps = self.num_denoise_steps
+        if steps is not None and not 0 < steps <= MAX_DENOISE_STEPS:
+            raise ValueError(f"num_denoise_steps must be in [1, {MAX_DENOISE_STEPS}], got {steps}")
 
     @property
     def greedy(self) -> bool:

@@ -112,7 +112,9 @@ class Tokenizer:
         if not text:
             return []
         backend = self.backend if special else self._plain
-        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+        # NOTE: encode_batch, not encode: it releases the GIL while it works (encode holds it), so
+        # a long prompt tokenized on a server's worker thread does not stall the event loop.
+        ids: list[int] = backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self.mask_token_id not in ids:
             return ids
         # Some other spelling reached the mask id (a normaliser, a non-special added token):

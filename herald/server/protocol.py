@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from herald.config import MAX_TEMPERATURE, SamplingParams
+from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, SamplingParams
 from herald.server.served_engine import MODES
 
 
@@ -41,7 +41,7 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(
-        default=None, gt=0, validation_alias=AliasChoices("max_tokens", "max_completion_tokens")
+        default=None, gt=0, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
     )
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -50,7 +50,7 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
-    steps: int | None = Field(default=None, gt=0)
+    steps: int | None = Field(default=None, gt=0, le=MAX_DENOISE_STEPS)
     mode: str | None = None
     budget: float | None = Field(
         default=None, gt=0.0, le=1.0, allow_inf_nan=False,

@@ -193,6 +193,7 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
             ({"prompt": "hi", "temperature": 1e300}, 400, "temperature"),
             ({"prompt": "hi", "temperature": 1, "seed": 2**64}, 400, "seed"),
+            ({"prompt": "hi", "steps": 10**30}, 400, "steps"),
             ({"prompt": "x" * (64 * MAX_SEQ_LEN + 1)}, 400, "prompt"),
             ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
             ({"prompt": "hi", "steps": 0}, 400, "steps"),
@@ -236,7 +237,7 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             },  # fmt: skip
         )
         assert r.status_code == 200, r.text
-        # A temperature too small for float32 logits samples (nearly greedy) instead of failing.
+        # A temperature too small for float32 logits samples (as 1e-4) instead of failing.
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 1e-40})
         assert r.status_code == 200, r.text
         t.join(timeout=60)
