@@ -60,6 +60,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None, help="override the mask token id")
 
 
+def _add_kv_pad(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-pad",
+        type=int,
+        default=0,
+        help="round attention key lengths up to a multiple of this, masked (512: outputs do not "
+        "depend on the other requests in the batch; 0: off, default)",
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="herald", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     g.add_argument("--max-new-tokens", type=int, default=128)
+    _add_kv_pad(g)
     g.add_argument(
         "--threshold",
         type=float,
@@ -160,6 +171,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="prompt tokens prefilled per block boundary at most; a longer prompt is prefilled "
         "in chunks over several boundaries (default: %(default)s)",
     )
+    _add_kv_pad(s)
 
     r = sub.add_parser(
         "init-random", help="write a random-weight checkpoint (HF format) for a preset"
@@ -268,7 +280,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     max_len = len(ids) + args.max_new_tokens + config.block_size
     engine: Any
     if args.mode == "dense":
-        engine = DenseEngine(model, config, max_batch_size=1, max_seq_len=max_len)
+        engine = DenseEngine(
+            model, config, max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad
+        )
     else:
         from herald.config import OffloadConfig
         from herald.engine.offload import OffloadEngine
@@ -284,7 +298,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         offload = OffloadConfig.for_mode(
             args.mode, **{k: v for k, v in chosen.items() if v is not None}
         )
-        engine = OffloadEngine(model, config, offload, max_batch_size=1, max_seq_len=max_len)
+        engine = OffloadEngine(
+            model, config, offload, max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad
+        )
         print(engine.cpu_pool.describe(), file=sys.stderr)
     req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
     bar = tqdm(
@@ -353,6 +369,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         mode=args.mode,
         offload=offload,
         max_prefill_tokens=args.max_prefill_tokens,
+        kv_pad=args.kv_pad,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_waiting=args.max_waiting,

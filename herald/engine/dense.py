@@ -55,6 +55,9 @@ class DenseEngine:
         check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
         random_prefill: fill the prompt's KV with random values instead of running the prompt
             forward (decode-throughput benchmarks only: decode speed does not depend on values).
+        kv_pad: key lengths rounded up to a multiple of this, masked per row (0 = off; 512:
+            outputs independent of the batch's other requests on the CPU; see
+            :class:`~herald.kv.dense_cache.SlotAttention`).
         use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
             captured once per batch size (:mod:`herald.engine.cuda_graph`).
 
@@ -73,6 +76,7 @@ class DenseEngine:
         max_prefill_tokens: int | None = None,
         check_finite: bool = False,
         random_prefill: bool = False,
+        kv_pad: int = 0,
         use_cuda_graph: bool = True,
     ) -> None:
         self.model = model
@@ -87,8 +91,11 @@ class DenseEngine:
         self.device, self.dtype = param.device, param.dtype
         b = config.block_size
         self.max_seq_len = -(-max_seq_len // b) * b
-        self.cache = DenseKVCache(config, max_batch_size, self.max_seq_len, self.device, self.dtype)
-        self.attn = DenseAttention(self.cache)
+        # With kv_pad the capacity is a whole multiple of it, so a padded key length is never
+        # clipped to the capacity (which would make it depend on the engine's size).
+        cap = -(-self.max_seq_len // kv_pad) * kv_pad if kv_pad > 0 else self.max_seq_len
+        self.cache = DenseKVCache(config, max_batch_size, cap, self.device, self.dtype)
+        self.attn = DenseAttention(self.cache, kv_pad=kv_pad)
         self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)
         self.waiting: deque[Request] = deque()
         self.max_batch_size = max_batch_size

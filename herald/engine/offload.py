@@ -155,6 +155,10 @@ class OffloadEngine:
             (decode-throughput benchmarks only: decode speed does not depend on the values).
             ``"gpu"``: the same but leave the CPU pages as they are (a benchmark that filled the
             whole pool once saves ~1 GiB of writes per 32K-token LLaDA2.0-mini request).
+        kv_pad: key lengths of every attention (main and retrieval streams) rounded up to a
+            multiple of this, masked per row (:class:`~herald.kv.dense_cache.SlotAttention`);
+            512 makes outputs independent of which requests share the batch (on the CPU). 0:
+            off (the batch's longest row, exactly).
         use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
             (:mod:`herald.engine.cuda_graph`) in the plain and fused steps and the commit. Off by
             default until verified on the GPU with the retrieval thread running.
@@ -174,6 +178,7 @@ class OffloadEngine:
         retrieval_delay: Callable[[], float] | None = None,
         record_selection: bool = False,
         random_prefill: bool | str = False,
+        kv_pad: int = 0,
         use_cuda_graph: bool = False,
     ) -> None:
         offload.validate()
@@ -203,7 +208,9 @@ class OffloadEngine:
         self._prefilling: _Prefill | None = None
         hkv, d = config.num_kv_heads, config.head_dim
         # Dense store: rows [0, max_seq_len) by absolute position + B rows for a draft.
-        dshape = (max_batch_size, hkv, self.max_seq_len + b, d)
+        # NOTE: with kv_pad, store capacities are whole multiples of it, so a padded key length
+        # is never clipped to a capacity (which would make it depend on the engine's size).
+        dshape = (max_batch_size, hkv, _round_up(self.max_seq_len + b, kv_pad), d)
         self.dense_k: list[torch.Tensor | None] = [None] * L
         self.dense_v: list[torch.Tensor | None] = [None] * L
         for i in range(self.num_dense):
@@ -212,7 +219,14 @@ class OffloadEngine:
         pooled = list(range(self.num_dense, L))
         self.k_cap = math.ceil(offload.kv_budget * self.max_seq_len)
         self.pool = GpuSparseKVPool(
-            pooled, L, max_batch_size, hkv, self.k_cap + 3 * b, d, self.device, self.dtype
+            pooled,
+            L,
+            max_batch_size,
+            hkv,
+            _round_up(self.k_cap + 3 * b, kv_pad),
+            d,
+            self.device,
+            self.dtype,
         )
         if cpu_pool is None:
             n_pages = max_batch_size * (self.max_seq_len // b + 1)
@@ -223,8 +237,11 @@ class OffloadEngine:
             else:
                 cpu_pool = CpuKVPool(len(pooled), hkv, d, b, n_pages)
         self.cpu_pool = cpu_pool
-        self.dense_attn = SlotAttention(self.dense_k, self.dense_v) if self.num_dense else None
-        self.sparse_attn = SlotAttention(*self.pool.store(self.pool.active))
+        self.kv_pad = kv_pad
+        self.dense_attn = (
+            SlotAttention(self.dense_k, self.dense_v, kv_pad=kv_pad) if self.num_dense else None
+        )
+        self.sparse_attn = SlotAttention(*self.pool.store(self.pool.active), kv_pad=kv_pad)
         self.attn = _RoutedAttention(self.num_dense, self.dense_attn, self.sparse_attn)
         self.selection_threads = _selection_threads(offload.selection_threads)
         if random_prefill not in (False, True, "gpu"):
@@ -287,6 +304,7 @@ class OffloadEngine:
                     output_mode=offload.output_mode,
                     num_threads=self.selection_threads,
                     delay=retrieval_delay,
+                    kv_pad=kv_pad,
                 )
             except BaseException:
                 if self._handoff_pinned:
@@ -926,6 +944,10 @@ class _QueryRecorder:
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.q[layer_id] = q
         return self.inner.forward(layer_id, q, k, v)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple if multiple > 0 else n
 
 
 def _selection_threads(requested: int | None) -> int:

@@ -99,6 +99,7 @@ class RetrievalWorker:
         output_mode: str = "full",
         num_threads: int | None = None,
         delay: Callable[[], float] | None = None,
+        kv_pad: int = 0,
     ) -> None:
         self.model = model
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
@@ -108,6 +109,7 @@ class RetrievalWorker:
         self.mask_token_id, self.block_size = mask_token_id, block_size
         self.output_mode, self.num_threads = output_mode, num_threads
         self.delay = delay
+        self.kv_pad = kv_pad  # dense layers' key length padding (SlotAttention's kv_pad)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda = self.device.type == "cuda"
@@ -195,7 +197,7 @@ class RetrievalWorker:
                 kc, vc = self.dense_k[layer_id], self.dense_v[layer_id]
                 assert kc is not None and vc is not None
                 o = attend_prefix_and_tail(
-                    q, kc[:n], vc[:n], job.prefix_lens, job.dense_tail_start, b
+                    q, kc[:n], vc[:n], job.prefix_lens, job.dense_tail_start, b, self.kv_pad
                 )
             else:
                 o = self._offloaded_layer(job, layer_id, q, seq, tails, budgets)

@@ -82,10 +82,24 @@ class SlotAttention:
       K/V (the draft right after the block, rows ``[p + B, p + 2B)``); block queries see
       ``[0, p + B)`` exactly as in a plain denoising step, draft queries see ``[0, p)`` and the
       draft, not the block.
+
+    ``kv_pad`` (0 = off): attend over the batch's longest row rounded up to a multiple of
+    ``kv_pad`` keys, every row masked to its own, instead of exactly the longest row. A batched
+    attention's reduction order depends on the key length, so otherwise a row's result can differ
+    by a bf16 ulp with its batch mates; with a multiple of the kernel's key block (512 for
+    PyTorch's CPU flash attention) each row's keys land in the same blocks whatever the batch:
+    results are batch-invariant (tested on the CPU), and the attention shape changes once per
+    ``kv_pad`` tokens rather than every block (cuDNN plans per shape). Costs up to ``kv_pad - 1``
+    masked keys per call. Prefill chunks (block-causal) are not affected.
     """
 
-    def __init__(self, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
+    def __init__(
+        self, k: list[torch.Tensor | None], v: list[torch.Tensor | None], kv_pad: int = 0
+    ) -> None:
+        if kv_pad < 0:
+            raise ValueError(f"kv_pad must be >= 0, got {kv_pad}")
         self.set_store(k, v)
+        self.kv_pad = kv_pad
         self._slots = slice(0, 0)
         self._length = 0
         self._kv_len = 0
@@ -121,10 +135,15 @@ class SlotAttention:
         if end > self.capacity:
             raise ValueError(f"row {end} exceeds the store capacity {self.capacity}")
         self._slots = slice(slot_offset, slot_offset + bs)
-        self._length, self._kv_len = length, end
         self._block_size = block_size if block_size is not None and length > block_size else None
         self._draft = draft_group
         uniform = all(p == prefix[0] for p in prefix)
+        if self.kv_pad and self._block_size is None:
+            # Key length rounded up to a multiple of kv_pad, every row masked to its own rows:
+            # a row's keys then fall into the same kernel blocks whatever the batch's longest
+            # row (batch-invariant results), and the shape changes once per kv_pad tokens.
+            end, uniform = min(self.capacity, -(-end // self.kv_pad) * self.kv_pad), False
+        self._length, self._kv_len = length, end
         self._uniform = prefix[0] if uniform else None
         self._prefix = torch.tensor(prefix, device=self.device)
 
@@ -241,6 +260,7 @@ def attend_prefix_and_tail(
     prefix: list[int],
     tail_start: list[int],
     tail_len: int,
+    kv_pad: int = 0,
 ) -> torch.Tensor:
     """Exact attention of a few queries to rows ``[0, prefix)`` and ``[tail_start, +tail_len)``.
 
@@ -249,12 +269,15 @@ def attend_prefix_and_tail(
     Args:
         q: [bs, n_q, Hq, D]; keys/values: [bs, Hkv, cap, D] (one layer of a store, slot order).
         prefix, tail_start: per row, in store rows; tail_len: rows of the tail (0 = none).
+        kv_pad: round the key length up to a multiple of it (masked), as :class:`SlotAttention`.
 
     Returns:
         [bs, n_q, Hq, D].
     """
     dev = q.device
     end = max(max(p for p in prefix), max(t + tail_len for t in tail_start))
+    if kv_pad:
+        end = min(keys.shape[2], -(-end // kv_pad) * kv_pad)
     rows = torch.arange(end, device=dev)[None, :]
     p = torch.tensor(prefix, device=dev)[:, None]
     t = torch.tensor(tail_start, device=dev)[:, None]
@@ -265,8 +288,8 @@ def attend_prefix_and_tail(
 class DenseAttention(SlotAttention):
     """:class:`SlotAttention` over every layer of a :class:`DenseKVCache` (absolute positions)."""
 
-    def __init__(self, cache: DenseKVCache) -> None:
-        super().__init__(list(cache.k), list(cache.v))
+    def __init__(self, cache: DenseKVCache, kv_pad: int = 0) -> None:
+        super().__init__(list(cache.k), list(cache.v), kv_pad=kv_pad)
         self.cache = cache
 
 

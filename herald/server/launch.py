@@ -32,6 +32,7 @@ def build_app(
     max_seq_len: int = 2048,
     max_waiting: int = 64,
     max_prefill_tokens: int = 4096,
+    kv_pad: int = 0,
     api_key: str | None = None,
     seed: int = 0,
 ) -> FastAPI:
@@ -60,7 +61,7 @@ def build_app(
     seq = min(max_seq_len, config.max_position_embeddings)
     engine = build_engine(
         mode, net, config, max_batch_size=max_batch_size, max_seq_len=seq, offload=offload,
-        max_prefill_tokens=max_prefill_tokens,
+        max_prefill_tokens=max_prefill_tokens, kv_pad=kv_pad,
     )  # fmt: skip
     if mode != "dense":
         log.info("%s", engine.cpu_pool.describe())  # type: ignore[union-attr]

@@ -46,11 +46,13 @@ def build_engine(
     max_seq_len: int,
     offload: OffloadConfig | None = None,
     max_prefill_tokens: int | None = None,
+    kv_pad: int = 0,
 ) -> Engine:
     """The engine of ``mode``; ``offload`` (offloading modes only, default
     ``OffloadConfig.for_mode(mode)``) carries the budget and CPU pool size;
     ``max_prefill_tokens``: prompt tokens the engine prefills per step / block boundary at most
-    (a longer prompt is prefilled over several).
+    (a longer prompt is prefilled over several); ``kv_pad``: see
+    :class:`~herald.kv.dense_cache.SlotAttention` (512: batch-invariant outputs).
 
     Raises ValueError for an unknown mode or an offload config given with ``dense``.
     """
@@ -61,12 +63,12 @@ def build_engine(
             raise ValueError("--kv-budget and the CPU pool options apply to offloading modes only")
         return DenseEngine(
             model, config, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-            max_prefill_tokens=max_prefill_tokens, use_cuda_graph=False,
+            max_prefill_tokens=max_prefill_tokens, kv_pad=kv_pad, use_cuda_graph=False,
         )  # fmt: skip
     offload = offload or OffloadConfig.for_mode(mode)
     return OffloadEngine(
         model, config, offload, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-        max_prefill_tokens=max_prefill_tokens,
+        max_prefill_tokens=max_prefill_tokens, kv_pad=kv_pad,
     )  # fmt: skip
 
 

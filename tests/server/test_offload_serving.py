@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -291,3 +292,30 @@ def test_openai_client(herald_server: LiveServer, offline_herald: OfflineHerald)
         client.completions.create(
             model=MODEL, prompt="x", max_tokens=8, extra_body={"mode": "infinigen"}
         )
+
+
+def test_kv_pad_server_at_low_budget_equals_the_real_cli_next_to_batch_mates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--kv-pad reaches the engines of both commands, and at budget 0.05 a request served next
+    to batch mates gets exactly the tokens `herald generate ... --kv-pad 512` gives alone. (That
+    the padding is what makes this hold for any mates is shown on the engine:
+    tests/engine/test_offload.py::test_kv_pad_makes_outputs_independent_of_batch_mates.)"""
+    prompt, n = "Request 5: i fhiiace iefjdgigchejfdejd ajgfgdedb c", 64
+    argv = ["generate", "--mode", "herald", "--kv-budget", "0.05", "--kv-pad", "512"]
+    argv += ["--prompt", prompt, "--max-new-tokens", str(n), "--quiet"]
+    assert cli_main(argv) == 0
+    want = capsys.readouterr().out[:-1]
+    offload = OffloadConfig.for_mode("herald", kv_budget=0.05, cpu_kv_tokens=4096)
+    srv = start_server(dtype=torch.bfloat16, mode="herald", offload=offload, kv_pad=512,
+                       max_batch_size=4)  # fmt: skip
+    try:
+        engine = srv.state.engine_loop.engine
+        assert engine.kv_pad == 512 and engine.sparse_attn.kv_pad == 512
+        bodies = [{"prompt": p, "max_tokens": n} for p in (prompt, "x" * 150, "y" * 100)]
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c, ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(lambda b: c.post("/v1/completions", json=b), bodies))
+        assert all(r.status_code == 200 for r in got), [r.text for r in got]
+        assert got[0].json()["choices"][0]["text"] == want
+    finally:
+        srv.close()
