@@ -35,6 +35,7 @@ def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path
         max_batch_size=args.batch,
         max_seq_len=seq,
         random_prefill=True,
+        kv_pad=args.kv_pad,
         use_cuda_graph=not args.eager,
     )
     print(f"[threads={eng.selection_threads}] engine {time.perf_counter() - t0:.1f} s", flush=True)
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="", help="comma-separated selection thread counts")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--kv-pad", type=int, default=0, help="OffloadEngine kv_pad (0 = off)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,10 @@ def main() -> None:
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (70, 20, 130, 64)]
     params = SamplingParams(max_new_tokens=72, ignore_eos=True)
 
+    pad = int(sys.argv[2]) if len(sys.argv) > 2 else 0  # kv_pad for both engines
+
     def dense() -> list[list[int]]:
-        eng = DenseEngine(model, config, max_batch_size=4, max_seq_len=256)
+        eng = DenseEngine(model, config, max_batch_size=4, max_seq_len=256, kv_pad=pad)
         return [r.output_ids for r in eng.generate(prompts, params)]
 
     ref = dense()
@@ -50,8 +52,9 @@ def main() -> None:
         for r in range(runs):
             cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, selection_threads=2)
             eng = OffloadEngine(
-                model, config, cfg, max_batch_size=4, max_seq_len=256, record_selection=True
-            )
+                model, config, cfg, max_batch_size=4, max_seq_len=256, record_selection=True,
+                kv_pad=pad,
+            )  # fmt: skip
             got = [x.output_ids for x in eng.generate(prompts, params)]
             unsorted = 0
             for job in eng.selections:
