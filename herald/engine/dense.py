@@ -21,7 +21,7 @@ from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.request import Request, RequestStatus, abort_request, new_request
-from herald.kv.dense_cache import DenseAttention, DenseKVCache
+from herald.kv.dense_cache import DenseAttention, DenseKVCache, padded_kv_len
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
@@ -93,7 +93,7 @@ class DenseEngine:
         self.max_seq_len = -(-max_seq_len // b) * b
         # With kv_pad the capacity is a whole multiple of it, so a padded key length is never
         # clipped to the capacity (which would make it depend on the engine's size).
-        cap = -(-self.max_seq_len // kv_pad) * kv_pad if kv_pad > 0 else self.max_seq_len
+        cap = padded_kv_len(self.max_seq_len, kv_pad)
         self.cache = DenseKVCache(config, max_batch_size, cap, self.device, self.dtype)
         self.attn = DenseAttention(self.cache, kv_pad=kv_pad)
         self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)

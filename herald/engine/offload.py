@@ -39,9 +39,9 @@ from herald.engine.dense import EngineStats
 from herald.engine.request import Request, abort_request, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.dense_cache import SlotAttention, _sdpa_folded
+from herald.kv.dense_cache import SlotAttention, _sdpa_folded, padded_kv_len
 from herald.kv.gpu_selection import select_topk_rows
-from herald.kv.pinned import register_pinned, unregister_pinned
+from herald.kv.pinned import PinnedStaging
 from herald.kv.proxy import proxy_channels, proxy_topk
 from herald.kv.selection import default_num_threads, gather_selected, select_topk
 from herald.kv.sparse_pool import GpuSparseKVPool
@@ -210,7 +210,7 @@ class OffloadEngine:
         # Dense store: rows [0, max_seq_len) by absolute position + B rows for a draft.
         # NOTE: with kv_pad, store capacities are whole multiples of it, so a padded key length
         # is never clipped to a capacity (which would make it depend on the engine's size).
-        dshape = (max_batch_size, hkv, _round_up(self.max_seq_len + b, kv_pad), d)
+        dshape = (max_batch_size, hkv, padded_kv_len(self.max_seq_len + b, kv_pad), d)
         self.dense_k: list[torch.Tensor | None] = [None] * L
         self.dense_v: list[torch.Tensor | None] = [None] * L
         for i in range(self.num_dense):
@@ -223,7 +223,7 @@ class OffloadEngine:
             L,
             max_batch_size,
             hkv,
-            _round_up(self.k_cap + 3 * b, kv_pad),
+            padded_kv_len(self.k_cap + 3 * b, kv_pad),
             d,
             self.device,
             self.dtype,
@@ -274,19 +274,18 @@ class OffloadEngine:
         self._block_t0 = 0.0
         self.stats = OffloadStats()
         self.cuda = self.device.type == "cuda"
-        # Pinned host staging for the batched block hand-offs (draft and commit KV -> CPU pool):
-        # [L', 2, slots, Hkv, B, D] elements.
-        self._handoff = torch.zeros(
-            len(pooled) * 2 * max_batch_size * hkv * b * d, dtype=cpu_pool.dtype
-        )
         self.use_cuda_graph = use_cuda_graph and self.cuda
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
         self._random_pages: torch.Tensor | None = None
-        self._stagings: dict[str, _PinnedStaging] = {}
+        self._stagings: dict[str, PinnedStaging] = {}
         self._eager_keys: set[tuple[int, int]] = set()
         # Last: the pinned registrations and the worker thread, so that nothing above (a GPU
         # allocation running out of memory) can leave a thread or pinned memory behind.
-        self._handoff_pinned = register_pinned(self._handoff) if self.cuda else []
+        # Pinned host staging for the batched block hand-offs (draft and commit KV -> CPU pool):
+        # [L', 2, slots, Hkv, B, D] elements.
+        self._handoff = PinnedStaging(
+            len(pooled) * 2 * max_batch_size * hkv * b * d, cpu_pool.dtype, self.cuda
+        )
         # The retrieval stream serves the representative query only (MAGE and InfiniGen select
         # on the main stream), and only then needs its pinned staging.
         self.worker: RetrievalWorker | None = None
@@ -307,8 +306,7 @@ class OffloadEngine:
                     kv_pad=kv_pad,
                 )
             except BaseException:
-                if self._handoff_pinned:
-                    unregister_pinned(self._handoff_pinned)
+                self._handoff.close()
                 raise
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -321,10 +319,8 @@ class OffloadEngine:
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """CPU pool pages a request holds while it runs: its canvas (prompt + max_new_tokens,
         rounded up to whole blocks of B tokens) plus one draft / scratch page."""
-        return (
-            BlockLayout(prompt_len, self.block_size, max_new_tokens).total_len // (self.block_size)
-            + 1
-        )
+        layout = BlockLayout(prompt_len, self.block_size, max_new_tokens)
+        return layout.total_len // self.block_size + 1
 
     def _pages_needed(self, req: Request) -> int:
         return self.pages_needed(req.prompt_len, req.params.max_new_tokens)
@@ -364,10 +360,8 @@ class OffloadEngine:
             if req.request_id in self.cpu_pool:
                 self.cpu_pool.free(req.request_id)
         self._prefilling = None
-        if self._handoff_pinned:
-            self._sync()
-            unregister_pinned(self._handoff_pinned)
-            self._handoff_pinned = []
+        self._sync()
+        self._handoff.close()
         for staging in self._stagings.values():
             staging.close()
         self._stagings.clear()
@@ -549,7 +543,7 @@ class OffloadEngine:
         if not self.cuda:
             store.index_copy_(2, idx, blocks.to(store.dtype))
             return
-        host = self._handoff[: blocks.numel()].view(blocks.shape)
+        host = self._handoff.take(blocks.shape)
         host.copy_(blocks, non_blocking=True)
         # NOTE: copy-before-read: the host scatter below reads the staging only after the
         # device-to-host copy completed; and since this call returns only then, the staging is
@@ -770,13 +764,13 @@ class OffloadEngine:
             t[dst].copy_(t[src])
 
     # -- MAGE step 0 ----------------------------------------------------------------------------
-    def _staging(self, name: str, numel: int) -> _PinnedStaging:
+    def _staging(self, name: str, numel: int) -> PinnedStaging:
         """The pinned staging buffer ``name`` (created on first use, grown if too small)."""
         st = self._stagings.get(name)
         if st is None or st.numel < numel:
             if st is not None:
                 st.close()
-            st = self._stagings[name] = _PinnedStaging(numel, self.cpu_pool.dtype, self.cuda)
+            st = self._stagings[name] = PinnedStaging(numel, self.cpu_pool.dtype, self.cuda)
         return st
 
     def _full_rows(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -946,10 +940,6 @@ class _QueryRecorder:
         return self.inner.forward(layer_id, q, k, v)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple if multiple > 0 else n
-
-
 def _selection_threads(requested: int | None) -> int:
     """The CPU kernel's threads: ``requested``; else ``HERALD_SELECTION_THREADS``; else every
     usable core but two, which stay free for the main stream's host work (kernel launches) and
@@ -959,34 +949,3 @@ def _selection_threads(requested: int | None) -> int:
     if os.environ.get("HERALD_SELECTION_THREADS"):
         return default_num_threads()
     return max(1, default_num_threads() - 2)
-
-
-class _PinnedStaging:
-    """A host buffer (pinned on CUDA) reused for host-to-device copies.
-
-    :meth:`take` returns a view and first waits for the copy issued from the previous view
-    (:meth:`copied` records it): no staging reuse before its copy completed.
-    """
-
-    def __init__(self, numel: int, dtype: torch.dtype, cuda: bool) -> None:
-        self.numel = numel
-        self.buf = torch.empty(numel, dtype=dtype)
-        self.cuda = cuda
-        self._addrs = register_pinned(self.buf) if cuda else []
-        self._event: torch.cuda.Event | None = None
-
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return self.buf[: math.prod(shape)].view(shape)
-
-    def copied(self) -> None:
-        if self.cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def close(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        unregister_pinned(self._addrs)

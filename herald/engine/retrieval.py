@@ -31,7 +31,7 @@ import torch
 
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.dense_cache import attend_prefix_and_tail
-from herald.kv.pinned import register_pinned, unregister_pinned
+from herald.kv.pinned import PinnedStaging
 from herald.kv.selection import gather_selected, select_topk
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.models.base import BlockDiffusionLM, DecoderLayer
@@ -120,11 +120,7 @@ class RetrievalWorker:
         # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements.
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
         numel = 2 * pool.num_slots * hkv * pool.capacity * d
-        self._staging = [torch.zeros(numel, dtype=cpu_pool.dtype) for _ in pool.layers]
-        self._pinned: list[list[int]] = []
-        if self.cuda:
-            self._pinned = [register_pinned(t) for t in self._staging]
-        self._staging_free = [None] * len(self._staging)  # events of the last H2D per buffer
+        self._staging = [PinnedStaging(numel, cpu_pool.dtype, self.cuda) for _ in pool.layers]
         self._queue: queue.Queue[RetrievalJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="herald-retrieval", daemon=True)
         self._thread.start()
@@ -146,9 +142,8 @@ class RetrievalWorker:
         self._thread.join(timeout=60)
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            for addresses in self._pinned:
-                unregister_pinned(addresses)
-            self._pinned = []
+        for staging in self._staging:
+            staging.close()
 
     def _loop(self) -> None:
         while True:
@@ -240,12 +235,9 @@ class RetrievalWorker:
         kmax = res.indices.shape[-1]
         hkv, d = kp.shape[1], kp.shape[3]
         slot = self.pool.layers.index(layer_id)
-        prev = self._staging_free[slot]
-        if prev is not None:
-            # NOTE: no staging reuse before its copy is done: the previous block's H2D from this
-            # buffer must have completed before the gather overwrites it.
-            prev.synchronize()
-        out = self._staging[slot][: 2 * n * hkv * kmax * d].view(2, n, hkv, kmax, d)
+        # NOTE: no staging reuse before its copy is done: take() waits until the previous block's
+        # H2D from this layer's buffer completed before the gather overwrites it.
+        out = self._staging[slot].take((2, n, hkv, kmax, d))
         gather_selected(
             kp,
             vp,
@@ -267,9 +259,6 @@ class RetrievalWorker:
             for i, kk in enumerate(sel):
                 kd[i, :, :kk].copy_(out[0, i, :, :kk], non_blocking=True)
                 vd[i, :, :kk].copy_(out[1, i, :, :kk], non_blocking=True)
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self._staging_free[slot] = ev  # type: ignore[call-overload]
+        self._staging[slot].copied()  # on this (the retrieval) stream, after the copies above
         job.layer_seconds.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return o.view(n, 1, -1, d)

@@ -142,7 +142,7 @@ class SlotAttention:
             # Key length rounded up to a multiple of kv_pad, every row masked to its own rows:
             # a row's keys then fall into the same kernel blocks whatever the batch's longest
             # row (batch-invariant results), and the shape changes once per kv_pad tokens.
-            end, uniform = min(self.capacity, -(-end // self.kv_pad) * self.kv_pad), False
+            end, uniform = min(self.capacity, padded_kv_len(end, self.kv_pad)), False
         self._length, self._kv_len = length, end
         self._uniform = prefix[0] if uniform else None
         self._prefix = torch.tensor(prefix, device=self.device)
@@ -216,6 +216,12 @@ class SlotAttention:
         return torch.cat([o_block, o_draft], dim=1)
 
 
+def padded_kv_len(n: int, kv_pad: int) -> int:
+    """``n`` keys rounded up to a multiple of ``kv_pad`` (0: ``n``): the key length
+    :class:`SlotAttention` attends over, and the store capacity an engine allocates for it."""
+    return -(-n // kv_pad) * kv_pad if kv_pad > 0 else n
+
+
 def _sdpa_folded(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
@@ -277,7 +283,7 @@ def attend_prefix_and_tail(
     dev = q.device
     end = max(max(p for p in prefix), max(t + tail_len for t in tail_start))
     if kv_pad:
-        end = min(keys.shape[2], -(-end // kv_pad) * kv_pad)
+        end = min(keys.shape[2], padded_kv_len(end, kv_pad))
     rows = torch.arange(end, device=dev)[None, :]
     p = torch.tensor(prefix, device=dev)[:, None]
     t = torch.tensor(tail_start, device=dev)[:, None]

@@ -8,9 +8,17 @@ CPU full KV pool (:mod:`herald.kv.cpu_pool`); any large staging buffer can use i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["REGISTER_CHUNK_BYTES", "register_chunks", "register_pinned", "unregister_pinned"]
+__all__ = [
+    "REGISTER_CHUNK_BYTES",
+    "PinnedStaging",
+    "register_chunks",
+    "register_pinned",
+    "unregister_pinned",
+]
 
 _GIB = 1 << 30
 REGISTER_CHUNK_BYTES = 16 * _GIB  # device.md: measured with chunks of 16 GiB
@@ -79,3 +87,44 @@ def unregister_pinned(addresses: list[int]) -> None:
     addresses.clear()
     if errors:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error(s) {errors}")
+
+
+class PinnedStaging:
+    """A host staging buffer (pinned with :func:`register_pinned` when ``pin``) reused for
+    asynchronous host-to-device copies.
+
+    Args:
+        numel: capacity in elements; dtype: element type; pin: register it with CUDA (the
+            buffer then supports true async copies at full PCIe speed).
+
+    :meth:`take` returns a contiguous view of ``shape`` (at most ``numel`` elements, else
+    RuntimeError from ``view``) and first waits until the copy recorded by the last
+    :meth:`copied` completed. NOTE: no staging reuse before its copy completed; :meth:`copied`
+    records an event on the current CUDA stream after the caller issued its copies from the
+    view. Zero-filled at creation, so never-written rows read as 0, not NaN bit patterns.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
+        self.numel = numel
+        self.buf = torch.zeros(numel, dtype=dtype)
+        self.pin = pin
+        self._addrs = register_pinned(self.buf) if pin else []
+        self._event: torch.cuda.Event | None = None
+
+    def take(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.buf[: math.prod(shape)].view(shape)
+
+    def copied(self) -> None:
+        if self.pin:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def close(self) -> None:
+        """Wait for the last copy, then unregister (idempotent)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        unregister_pinned(self._addrs)

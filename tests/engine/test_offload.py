@@ -201,8 +201,8 @@ def test_poisoned_staging_never_reaches_the_pool(setup):
     flaky non-finite score with mixed prompt lengths (uninitialised staging memory)."""
     model, config, prompts, params, ref = setup
     eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
-    for t in eng.worker._staging:
-        t.fill_(float("nan"))
+    for staging in eng.worker._staging:
+        staging.buf.fill_(float("nan"))
     try:
         got = [r.output_ids for r in eng.generate(prompts, params)]
     finally:

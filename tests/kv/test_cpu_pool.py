@@ -364,3 +364,20 @@ def test_pool_storage_is_page_aligned():
     pool = CpuKVPool(2, HKV, D, P, 8, pin=False)
     assert pool.storage.data_ptr() % 4096 == 0
     assert pool.storage.is_contiguous() and float(pool.storage.abs().sum()) == 0.0
+
+
+def test_pinned_staging_views_are_zeroed_and_sized(monkeypatch: pytest.MonkeyPatch) -> None:
+    from herald.kv.pinned import PinnedStaging
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    st = PinnedStaging(2 * 3 * 4, torch.bfloat16, pin=True)
+    assert len(fake.registered) == 1  # one buffer, one registration
+    view = st.take((2, 3, 4))
+    assert view.shape == (2, 3, 4) and view.data_ptr() == st.buf.data_ptr()
+    assert float(view.abs().sum()) == 0.0
+    with pytest.raises(RuntimeError):
+        st.take((5, 5))  # more than the buffer holds
+    st.close()
+    st.close()  # idempotent
+    assert fake.unregistered == [p for p, _ in fake.registered]
