@@ -24,6 +24,7 @@ import torch
 from herald.bench.common import cap_gpu_memory, command_line, machine_info, write_json
 from herald.config import SamplingParams
 from herald.engine.dense import DenseEngine
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 
 # (preset, context tokens, batch) from the paper's Table II Dense column, and its tokens/s (H100).
 PAPER_DENSE = [
@@ -35,13 +36,25 @@ PAPER_DENSE = [
 
 
 def run_case(
-    model: Any, config: Any, context: int, batch: int, new_tokens: int, steps: int, seed: int
+    model: Any,
+    config: Any,
+    context: int,
+    batch: int,
+    new_tokens: int,
+    steps: int,
+    seed: int,
+    kv_pad: int = DEFAULT_KV_PAD,
 ) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     hi = min(config.vocab_size, config.mask_token_id, *config.eos_token_ids)
     prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
     engine = DenseEngine(
-        model, config, max_batch_size=batch, max_seq_len=context + new_tokens, check_finite=True
+        model,
+        config,
+        max_batch_size=batch,
+        max_seq_len=context + new_tokens,
+        check_finite=True,
+        kv_pad=kv_pad,
     )
     params = SamplingParams(max_new_tokens=new_tokens, num_denoise_steps=steps, ignore_eos=True)
     # Warm-up at the measured batch size (CUDA-graph capture, cuDNN plans), as a server does once
@@ -63,6 +76,7 @@ def run_case(
     out = {
         "context": context,
         "batch": batch,
+        "kv_pad": kv_pad,
         "new_tokens_per_request": new_tokens,
         "block_size": b,
         "num_denoise_steps": steps,
@@ -181,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-gb", type=float, default=None, help="cap GPU memory (GB)")
     ap.add_argument("--only", default=None, help="comma list of presets to run")
     ap.add_argument("--contexts", default=None, help="comma list of contexts to run")
+    ap.add_argument("--kv-pad", type=int, default=DEFAULT_KV_PAD, help="DenseEngine kv_pad")
     ap.add_argument("--report", type=Path, default=None, help="only rewrite README.md from JSON")
     args = ap.parse_args(argv)
     if args.report is not None:
@@ -205,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{preset}] built random model in {time.perf_counter() - t0:.1f} s", flush=True)
         for _, ctx, bs, paper in (c for c in cases if c[0] == preset):
             try:
-                r = run_case(model, config, ctx, bs, args.new_tokens, args.steps, seed=ctx + bs)
+                r = run_case(
+                    model, config, ctx, bs, args.new_tokens, args.steps, ctx + bs, args.kv_pad
+                )
                 r["status"] = "ok"
             except torch.OutOfMemoryError as e:
                 r = {"context": ctx, "batch": bs, "status": f"oom: {str(e)[:200]}"}

@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
     ap.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (smoke run)")
-    ap.add_argument("--cuda-graph", action="store_true", help="piecewise CUDA graphs (main stream)")
+    ap.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="piecewise CUDA graphs in the main stream (default on)",
+    )
     ap.add_argument("--report", type=Path, default=None, help="only rewrite README.md from JSON")
     args = ap.parse_args(argv)
     if args.report is not None:

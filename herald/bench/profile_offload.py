@@ -20,6 +20,7 @@ import torch
 
 from herald.config import OffloadConfig, SamplingParams
 from herald.engine.offload import OffloadEngine
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 
 
 def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path) -> dict:
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="", help="comma-separated selection thread counts")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--kv-pad", type=int, default=0, help="OffloadEngine kv_pad (0 = off)")
+    ap.add_argument(
+        "--kv-pad", type=int, default=DEFAULT_KV_PAD, help="OffloadEngine kv_pad (0 = off)"
+    )
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.request import Request, RequestStatus, abort_request, new_request
-from herald.kv.dense_cache import DenseAttention, DenseKVCache, padded_kv_len
+from herald.kv.dense_cache import DEFAULT_KV_PAD, DenseAttention, DenseKVCache, padded_kv_len
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
@@ -55,8 +55,9 @@ class DenseEngine:
         check_finite: count forwards whose hidden states hold NaN/inf (costs a reduction).
         random_prefill: fill the prompt's KV with random values instead of running the prompt
             forward (decode-throughput benchmarks only: decode speed does not depend on values).
-        kv_pad: key lengths rounded up to a multiple of this, masked per row (0 = off; 512:
-            outputs independent of the batch's other requests on the CPU; see
+        kv_pad: key lengths rounded up to a multiple of this, masked per row (0 = off; default
+            :data:`~herald.kv.dense_cache.DEFAULT_KV_PAD`: outputs independent of the batch's
+            other requests, one cuDNN plan per ``kv_pad`` tokens; see
             :class:`~herald.kv.dense_cache.SlotAttention`).
         use_cuda_graph: on CUDA, replay everything but attention from piecewise CUDA graphs
             captured once per batch size (:mod:`herald.engine.cuda_graph`).
@@ -76,7 +77,7 @@ class DenseEngine:
         max_prefill_tokens: int | None = None,
         check_finite: bool = False,
         random_prefill: bool = False,
-        kv_pad: int = 0,
+        kv_pad: int = DEFAULT_KV_PAD,
         use_cuda_graph: bool = True,
     ) -> None:
         self.model = model

@@ -97,7 +97,10 @@ class CpuKVPool:
         self.pin_seconds = 0.0
         if pin:
             t0 = time.perf_counter()
-            self._registered = register_pinned(self._storage)
+            # NOTE: registered from the allocation's start (the alignment slack included), so
+            # torch sees the pool as pinned (Tensor.is_pinned checks the allocation's base
+            # pointer); inner boundaries stay at the aligned start + i * 16 GiB.
+            self._registered = register_pinned(raw[: off + numel])
             self.pin_seconds = time.perf_counter() - t0
         self._lock = threading.Lock()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pops 0, 1, 2, ...

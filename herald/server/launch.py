@@ -11,6 +11,7 @@ import torch
 from fastapi import FastAPI
 
 from herald.config import OffloadConfig
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 from herald.models.loader import load_model
 from herald.server.api import ServerState, create_app
 from herald.server.chat import ChatTemplate
@@ -32,7 +33,7 @@ def build_app(
     max_seq_len: int = 2048,
     max_waiting: int = 64,
     max_prefill_tokens: int = 4096,
-    kv_pad: int = 0,
+    kv_pad: int = DEFAULT_KV_PAD,
     api_key: str | None = None,
     seed: int = 0,
 ) -> FastAPI:

@@ -20,6 +20,7 @@ from herald.config import OffloadConfig, SamplingParams
 from herald.engine.dense import DenseEngine
 from herald.engine.offload import OffloadEngine
 from herald.engine.request import new_request
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
@@ -46,7 +47,7 @@ def build_engine(
     max_seq_len: int,
     offload: OffloadConfig | None = None,
     max_prefill_tokens: int | None = None,
-    kv_pad: int = 0,
+    kv_pad: int = DEFAULT_KV_PAD,
 ) -> Engine:
     """The engine of ``mode``; ``offload`` (offloading modes only, default
     ``OffloadConfig.for_mode(mode)``) carries the budget and CPU pool size;
@@ -68,7 +69,7 @@ def build_engine(
     offload = offload or OffloadConfig.for_mode(mode)
     return OffloadEngine(
         model, config, offload, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-        max_prefill_tokens=max_prefill_tokens, kv_pad=kv_pad,
+        max_prefill_tokens=max_prefill_tokens, kv_pad=kv_pad, use_cuda_graph=False,
     )  # fmt: skip
 
 
