@@ -34,6 +34,7 @@ from herald.engine.dense import DenseEngine
 from herald.engine.offload import OffloadEngine
 from herald.engine.request import Request
 from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 from herald.kv.selection import gather_selected, select_topk
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -124,7 +125,11 @@ class PointSettings:
     timed_blocks: int = 2
     slow_block_s: float = 15.0
     """Time only one block when a warm-up block took longer than this (slow baselines)."""
-    offload_cuda_graph: bool = False
+    offload_cuda_graph: bool = True
+    kv_pad: int = DEFAULT_KV_PAD
+    """The offloading engines' kv_pad."""
+    dense_kv_pad: int = 0
+    """The dense engine's (uniform batches: no mask needed, the faster dense)."""
     real_prefill: bool = False
     selection_threads: int | None = None
     dram_reserve_gib: float = 4.0
@@ -166,6 +171,7 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
             max_batch_size=batch,
             max_seq_len=seq,
             random_prefill=not ps.real_prefill,
+            kv_pad=ps.dense_kv_pad,
         )
         return eng, None
     assert sweep.budget is not None and ps.cpu_pool is not None
@@ -194,6 +200,7 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
         cpu_pool=ps.cpu_pool,
         random_prefill=False if ps.real_prefill else "gpu",
         use_cuda_graph=ps.offload_cuda_graph,
+        kv_pad=ps.kv_pad,
     )
     return offload_engine, cfg
 

@@ -121,6 +121,9 @@ class Runner:
         s: dict[str, Any] = {"device": self.device.type}
         if VARIANTS[sweep.variant].offload:
             s["offload_cuda_graph"] = self.args.offload_cuda_graph
+            s["kv_pad"] = self.args.kv_pad
+        else:
+            s["kv_pad"] = self.args.dense_kv_pad
         return s
 
     def plan_sweep(self, sweep: Sweep) -> tuple[str, list[int]]:
@@ -237,8 +240,8 @@ class Runner:
             "plan": self.args.plan, "part": self.args.part, "machine": machine_info(),
             "kernel": kernel_info(), "mem_available_gib": mem_available_gib(),
             "settings": {k: getattr(self.args, k) for k in (
-                "warmup_blocks", "timed_blocks", "slow_block_s", "offload_cuda_graph",
-                "real_prefill", "cpu_kv_gb", "dram_reserve_gb", "time_limit_s")},
+                "warmup_blocks", "timed_blocks", "slow_block_s", "offload_cuda_graph", "kv_pad",
+                "dense_kv_pad", "real_prefill", "cpu_kv_gb", "dram_reserve_gb", "time_limit_s")},
         }  # fmt: skip
         append_record(self.jsonl, run)
         self.records.append(run)
@@ -305,6 +308,7 @@ class Runner:
             self.model, self.config, self.device,
             warmup_blocks=self.args.warmup_blocks, timed_blocks=self.args.timed_blocks,
             slow_block_s=self.args.slow_block_s, offload_cuda_graph=self.args.offload_cuda_graph,
+            kv_pad=self.args.kv_pad, dense_kv_pad=self.args.dense_kv_pad,
             real_prefill=self.args.real_prefill, selection_threads=self.args.selection_threads,
             cpu_pool=self.pool if var.offload else None,
         )  # fmt: skip

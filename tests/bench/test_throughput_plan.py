@@ -49,10 +49,17 @@ def test_filters_and_part_parsing():
 
 
 def _point(sweep, batch, status="ok", tps=100.0):
+    # the default settings a resumed record must share: graphs and kv_pad 512 when offloading,
+    # kv_pad 0 for dense
+    setting = (
+        {"offload_cuda_graph": True, "kv_pad": 512}
+        if plan.VARIANTS[sweep.variant].offload
+        else {"kv_pad": 0}
+    )
     return {"kind": "point", "model": sweep.model, "context": sweep.context,
             "variant": sweep.variant, "budget": sweep.budget, "gpu_cap_gb": sweep.gpu_cap_gb,
             "steps": sweep.steps, "batch": batch, "status": status, "device": "cpu",
-            "offload_cuda_graph": False, "decode_tokens_per_s": tps}  # fmt: skip
+            "decode_tokens_per_s": tps, **setting}  # fmt: skip
 
 
 def test_runner_resolves_peaks_and_reuses_uncapped_sweeps(tmp_path):
