@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from herald.config import SamplingParams
+from herald.kv.dense_cache import DEFAULT_KV_PAD
 
-DEFAULT_MODEL = "tiny-sdar"
-"""The embedded default: a tiny random-weight preset until a trained model ships (issue 6)."""
+DEFAULT_MODEL = "code-sdar"
+"""The embedded default: the small SDAR code model trained with ``herald train`` that ships in
+``checkpoints/code-sdar/`` (issue 6; :data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -41,7 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="checkpoint directory (HF format) or preset name (default: %(default)s)",
+        help="checkpoint directory (HF format), bundled checkpoint (code-sdar) or preset name "
+        "(default: %(default)s)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument(
@@ -64,9 +67,10 @@ def _add_kv_pad(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-pad",
         type=int,
-        default=0,
-        help="round attention key lengths up to a multiple of this, masked (512: outputs do not "
-        "depend on the other requests in the batch; 0: off, default)",
+        default=DEFAULT_KV_PAD,
+        help="round attention key lengths up to a multiple of this, masked: outputs do not "
+        "depend on the other requests in the batch, and the GPU's attention plans change once "
+        f"per this many tokens (default {DEFAULT_KV_PAD}; 0: off)",
     )
 
 
@@ -138,7 +142,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="checkpoint directory (HF format) or preset name (default: %(default)s)",
+        help="checkpoint directory (HF format), bundled checkpoint (code-sdar) or preset name "
+        "(default: %(default)s)",
     )
     s.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     s.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32")

@@ -38,6 +38,12 @@ from herald.models.weights import WeightSpec, get_target, random_tensor
 from herald.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
+
+BUNDLED_CHECKPOINTS: dict[str, Path] = {
+    "code-sdar": Path(__file__).resolve().parents[2] / "checkpoints" / "code-sdar" / "ckpt",
+}
+"""Trained checkpoints that ship in the repository's ``checkpoints/`` folder, by name
+(``code-sdar``: the small SDAR code model of issue 6, ``checkpoints/code-sdar/README.md``)."""
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some exporters add that carry nothing herald needs (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -148,6 +154,26 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
                 get_target(model, spec).copy_(st.get_tensor(spec.name))
 
 
+def bundled_checkpoint(name: str | Path) -> Path | None:
+    """The directory of the bundled checkpoint ``name`` (:data:`BUNDLED_CHECKPOINTS`), or None
+    when ``name`` is not one (or is an existing directory).
+
+    Raises:
+        FileNotFoundError: ``name`` is bundled but its files are not there (an install without
+            the repository's ``checkpoints/`` folder).
+    """
+    if Path(name).is_dir() or str(name) not in BUNDLED_CHECKPOINTS:
+        return None
+    path = BUNDLED_CHECKPOINTS[str(name)]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the bundled checkpoint {str(name)!r} is not at {path}: it ships in the repository's "
+            "checkpoints/ folder (install from a clone with `pip install -e .`), or pass "
+            "--model with a checkpoint directory or a preset"
+        )
+    return path
+
+
 def is_preset(name: str | Path) -> bool:
     """True when ``name`` is a preset name (and not an existing directory)."""
     return not Path(name).is_dir() and str(name) in list_presets()
@@ -164,7 +190,8 @@ def load_model(
     """Load a checkpoint directory, or build a preset with random weights.
 
     Args:
-        path_or_preset: an HF checkpoint directory, or a preset name (:func:`list_presets`).
+        path_or_preset: an HF checkpoint directory, a bundled checkpoint's name
+            (:data:`BUNDLED_CHECKPOINTS`), or a preset name (:func:`list_presets`).
         device: default CUDA when available, else CPU.
         dtype: default bfloat16 on CUDA, float32 on CPU.
         random_init_seed: seed of a preset's random weights (default 0); ignored for a
@@ -182,7 +209,7 @@ def load_model(
     """
     dev = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(dev)
-    path = Path(path_or_preset)
+    path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
     if path.is_dir():
         config = ModelConfig.from_file(path, **config_overrides)
         tokenizer = load_tokenizer(path, config)
@@ -195,7 +222,9 @@ def load_model(
         seed = 0 if random_init_seed is None else random_init_seed
         return build_model(config, dev, dtype, seed=seed), config, byte_level_tokenizer(config)
     raise FileNotFoundError(
-        f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; presets: "
+        f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; bundled: "
+        + ", ".join(BUNDLED_CHECKPOINTS)
+        + "; presets: "
         + ", ".join(list_presets())
     )
 

@@ -42,6 +42,8 @@ from herald.cli import main
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
+    if argv[0] == "generate" and "--model" not in argv:
+        argv = [*argv, "--model", "tiny-sdar"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and message in err[-1]
@@ -56,7 +58,8 @@ def test_prompt_file_is_a_directory(tmp_path, capsys):
 def test_context_overflow_is_refused_up_front(tmp_path, capsys):
     big = tmp_path / "big.txt"
     big.write_text("x" * 140_000)  # byte-level: 140K tokens > the tiny preset's 131072
-    assert main(["generate", "--prompt-file", str(big), "--quiet"]) == 2
+    argv = ["generate", "--model", "tiny-sdar", "--prompt-file", str(big), "--quiet"]
+    assert main(argv) == 2
     assert "--max-prompt-tokens" in capsys.readouterr().err
 
 
@@ -87,6 +90,8 @@ def test_init_random_refuses_existing_weights_and_generate_runs(tmp_path, capsys
 def test_offload_mode_prints_block_timing(capsys):
     argv = [
         "generate",
+        "--model",
+        "tiny-sdar",
         "--mode",
         "herald",
         "--kv-budget",
@@ -100,3 +105,27 @@ def test_offload_mode_prints_block_timing(capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "CPU KV pool" in err and "retrieval stream" in err and "boundary stall" in err
+
+
+def test_default_model_is_the_bundled_trained_checkpoint(capsys):
+    """No --model: the trained code model from checkpoints/code-sdar (issue 6), not a random
+    preset; it loads with its BPE tokenizer and decodes on the CPU."""
+    from herald.cli import DEFAULT_MODEL
+    from herald.models.loader import BUNDLED_CHECKPOINTS
+
+    assert DEFAULT_MODEL == "code-sdar"
+    assert (BUNDLED_CHECKPOINTS[DEFAULT_MODEL] / "config.json").is_file()
+    argv = ["generate", "--device", "cpu", "--prompt", "import os\n\n\ndef main(", "--quiet"]
+    assert main([*argv, "--max-new-tokens", "32"]) == 0
+    captured = capsys.readouterr()
+    assert "RANDOM" not in captured.err and "generated tokens 32" in captured.err
+    assert "SDARForCausalLM" in captured.err and captured.out.strip()
+
+
+def test_missing_bundled_checkpoint_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from herald.models import loader
+
+    monkeypatch.setitem(loader.BUNDLED_CHECKPOINTS, "code-sdar", tmp_path / "absent")
+    assert main(["generate", "--prompt", "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "bundled checkpoint 'code-sdar' is not at" in err and "pip install -e ." in err

@@ -162,7 +162,8 @@ def test_matches_the_real_herald_generate_command(
     herald_server: LiveServer, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
     prompt, n, steps = "the cli and the server agree", 48, 3
-    argv = ["generate", "--mode", "herald", "--kv-budget", "1.0", "--prompt", prompt]
+    argv = ["generate", "--model", MODEL, "--mode", "herald", "--kv-budget", "1.0"]
+    argv += ["--prompt", prompt]
     argv += ["--max-new-tokens", str(n), "--steps", str(steps), "--quiet", *extra]
     assert cli_main(argv) == 0
     want = capsys.readouterr().out[:-1]  # the completion, then print's newline
@@ -302,7 +303,8 @@ def test_kv_pad_server_at_low_budget_equals_the_real_cli_next_to_batch_mates(
     the padding is what makes this hold for any mates is shown on the engine:
     tests/engine/test_offload.py::test_kv_pad_makes_outputs_independent_of_batch_mates.)"""
     prompt, n = "Request 5: i fhiiace iefjdgigchejfdejd ajgfgdedb c", 64
-    argv = ["generate", "--mode", "herald", "--kv-budget", "0.05", "--kv-pad", "512"]
+    argv = ["generate", "--model", MODEL, "--mode", "herald", "--kv-budget", "0.05"]
+    argv += ["--kv-pad", "512"]
     argv += ["--prompt", prompt, "--max-new-tokens", str(n), "--quiet"]
     assert cli_main(argv) == 0
     want = capsys.readouterr().out[:-1]

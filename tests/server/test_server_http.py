@@ -90,7 +90,8 @@ def test_matches_the_real_herald_generate_command(
     server: LiveServer, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
     prompt, n, steps = "the cli and the server agree", 48, 3
-    argv = ["generate", "--device", "cpu", "--prompt", prompt, "--max-new-tokens", str(n)]
+    argv = ["generate", "--model", MODEL, "--device", "cpu", "--prompt", prompt]
+    argv += ["--max-new-tokens", str(n)]
     assert cli_main([*argv, "--steps", str(steps), "--quiet", *extra]) == 0
     want = capsys.readouterr().out[:-1]  # the completion, then print's newline
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "steps": steps}
