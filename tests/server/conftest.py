@@ -8,11 +8,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import torch
 import uvicorn
 from fastapi import FastAPI
 
+from herald.cli import main as cli_main
 from herald.config import SamplingParams
 from herald.engine.dense import DenseEngine
 from herald.models.loader import load_model
@@ -22,6 +24,28 @@ from herald.server.launch import build_app
 MODEL = "tiny-sdar"
 MAX_SEQ_LEN = 256
 API_KEY = "sesame"
+TIMEOUT = httpx.Timeout(60.0)
+SAMPLED = ["--temperature", "0.8", "--top-p", "0.9"]
+"""CLI flags of the sampled case of :func:`assert_server_matches_cli` (the CLI's seed is 0)."""
+
+
+def assert_server_matches_cli(
+    url: str, capsys: pytest.CaptureFixture[str], mode_args: list[str], extra: list[str]
+) -> None:
+    """`herald generate` (``mode_args`` + ``extra``: [] or :data:`SAMPLED`) and the server at
+    ``url`` give the same completion for the same prompt, length and steps."""
+    prompt, n, steps = "the cli and the server agree", 48, 3
+    argv = ["generate", "--model", MODEL, *mode_args, "--prompt", prompt]
+    argv += ["--max-new-tokens", str(n), "--steps", str(steps), "--quiet", *extra]
+    assert cli_main(argv) == 0
+    want = capsys.readouterr().out[:-1]  # the completion, then print's newline
+    body: dict[str, object] = {"prompt": prompt, "max_tokens": n, "steps": steps}
+    if extra:
+        body.update(temperature=0.8, top_p=0.9, seed=0)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
 
 
 @dataclass

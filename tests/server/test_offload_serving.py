@@ -17,7 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, MODEL, LiveServer, start_server
+from conftest import (
+    MAX_SEQ_LEN,
+    MODEL,
+    SAMPLED,
+    TIMEOUT,
+    LiveServer,
+    assert_server_matches_cli,
+    start_server,
+)
 
 from herald.cli import main as cli_main
 from herald.config import OffloadConfig, SamplingParams
@@ -26,7 +34,6 @@ from herald.engine.request import RequestStatus, new_request
 from herald.models.loader import load_model
 from herald.server.served_engine import cpu_pages_needed
 
-TIMEOUT = httpx.Timeout(60.0)
 POOL_TOKENS = 256  # 8 pages of B = 32
 
 
@@ -155,25 +162,13 @@ def test_16_clients_match_offline_herald_generate(
         assert values[f"herald_block_{name}_seconds_count"] > 0
 
 
-@pytest.mark.parametrize(
-    "extra", [[], ["--temperature", "0.8", "--top-p", "0.9"]], ids=["greedy", "sampled"]
-)
+@pytest.mark.parametrize("extra", [[], SAMPLED], ids=["greedy", "sampled"])
 def test_matches_the_real_herald_generate_command(
     herald_server: LiveServer, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
-    prompt, n, steps = "the cli and the server agree", 48, 3
-    argv = ["generate", "--model", MODEL, "--mode", "herald", "--kv-budget", "1.0"]
-    argv += ["--prompt", prompt]
-    argv += ["--max-new-tokens", str(n), "--steps", str(steps), "--quiet", *extra]
-    assert cli_main(argv) == 0
-    want = capsys.readouterr().out[:-1]  # the completion, then print's newline
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "steps": steps}
-    if extra:
-        body.update(temperature=0.8, top_p=0.9, seed=0)  # the CLI samples with --seed (0)
-    with httpx.Client(base_url=herald_server.url, timeout=TIMEOUT) as c:
-        r = c.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == want
+    assert_server_matches_cli(
+        herald_server.url, capsys, ["--mode", "herald", "--kv-budget", "1.0"], extra
+    )
 
 
 def test_streaming_joins_to_the_same_text(herald_server: LiveServer) -> None:
