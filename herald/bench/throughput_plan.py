@@ -101,17 +101,19 @@ FIG14_DEFAULT_BATCH = {(K16, "dense"): 32, (K32, "dense"): 16, (K16, "herald"): 
 TABLE2_VARIANTS = ("dense", "infinigen", "mage", "herald")
 
 # Batch sizes per (model, context): dense up to what the whole H200 can hold (a sweep stops at
-# its first out-of-memory point), offloading modes up to what ~100 GiB of DRAM can hold.
+# its first out-of-memory point), HERALD up to what ~250 GiB of DRAM can hold (the two-GPU
+# machine's host; on the one-GPU machine's ~107 GiB pool the sweep stops at its first DRAM-bound
+# batch), the other offloading modes up to what ~100 GiB can hold.
 BATCHES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {
     (LLADA, K16): {
         "dense": (16, 32, 48, 64, 80, 96, 128, 160),
-        "herald": (32, 64, 96, 128, 160, 192),
+        "herald": (32, 64, 96, 128, 160, 192, 256, 320),
         "mage": (16, 32, 64, 96),
         "infinigen": (16, 32, 64),
     },
     (LLADA, K32): {
         "dense": (8, 16, 24, 32, 40, 48, 64, 80),
-        "herald": (16, 32, 48, 64, 80, 96),
+        "herald": (16, 32, 48, 64, 80, 96, 128, 160),
         "mage": (16, 32, 56),
         "infinigen": (16, 32, 48),
     },
