@@ -8,6 +8,7 @@ OpenAI-compatible HTTP server (:mod:`herald.server`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,12 +16,20 @@ from typing import Any
 
 import torch
 
-from herald.config import SamplingParams
-from herald.kv.dense_cache import DEFAULT_KV_PAD
+from herald.config import OffloadConfig, SamplingParams
+from herald.kv.dense_cache import DEFAULT_KV_PAD, MAX_KV_PAD
 
 DEFAULT_MODEL = "code-sdar"
 """The embedded default: the small SDAR code model trained with ``herald train`` that ships in
 ``checkpoints/code-sdar/`` (issue 6; :data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""
+
+
+OFFLOAD_MODES = ("herald", "mage", "infinigen")
+
+_DTYPE_HELP = (
+    "bf16 | fp16 | fp32 (default: bf16 with an offloading --mode, which runs bf16 only, or on a "
+    "GPU; fp32 for --mode dense on the CPU)"
+)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -47,12 +56,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument(
-        "--dtype",
-        type=_dtype,
-        default=None,
-        help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)",
-    )
+    p.add_argument("--dtype", type=_dtype, default=None, help=_DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling")
     p.add_argument(
         "--block-size",
@@ -70,8 +74,12 @@ def _add_kv_pad(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_PAD,
         help="round attention key lengths up to a multiple of this, masked: outputs do not "
         "depend on the other requests in the batch, and the GPU's attention plans change once "
-        f"per this many tokens (default {DEFAULT_KV_PAD}; 0: off)",
+        f"per this many tokens (0 to {MAX_KV_PAD}; default {DEFAULT_KV_PAD}; 0: off)",
     )
+
+
+def _kv_budget_defaults() -> str:
+    return ", ".join(f"{m} {OffloadConfig.for_mode(m).kv_budget:g}" for m in OFFLOAD_MODES)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -114,28 +122,51 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=["dense", "herald", "mage", "infinigen"],
         help="dense (full KV on the device) or an offloading mode (full KV in CPU "
         "memory): herald = CPU selection + representative query + draft lookahead; "
-        "mage = block queries at each block's first step",
+        "mage = block queries at each block's first step; infinigen = proxy channels of the "
+        "block queries at each block's first step",
     )
     g.add_argument(
         "--kv-budget",
         type=float,
         default=None,
-        help="fraction of the prefix kept per KV head (herald 0.05, mage 0.025)",
+        help="offloading modes: fraction of the prefix kept per KV head, in (0, 1] (default: "
+        f"{_kv_budget_defaults()})",
     )
-    g.add_argument("--cpu-kv-gb", type=float, default=None, help="CPU KV pool size in GiB")
+    g.add_argument(
+        "--cpu-kv-gb",
+        type=float,
+        default=None,
+        help="offloading modes: CPU KV pool size in GiB (default: what this request needs)",
+    )
     g.add_argument(
         "--cpu-kv-tokens",
         type=int,
         default=None,
-        help="CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb)",
     )
-    g.add_argument("--selection-device", choices=["cpu", "gpu"], default=None)
-    g.add_argument("--lookahead", choices=["draft", "off"], default=None)
+    g.add_argument(
+        "--selection-device",
+        choices=["cpu", "gpu"],
+        default=None,
+        help="--mode mage only: where each block's exact attention and top-k over the full KV "
+        "run at its first step: gpu (the full KV of a layer crosses PCIe every block; mage's "
+        "default) or cpu (the CPU kernel). Ignored by --mode herald (it always selects on the "
+        "CPU) and --mode infinigen (proxy top-k on the GPU)",
+    )
+    g.add_argument(
+        "--lookahead",
+        choices=["draft", "off"],
+        default=None,
+        help="offloading modes: draft = select block n+1 from block n's draft while block n "
+        "denoises (herald's default; only herald can); off = select after block n commits "
+        "(mage and infinigen need off)",
+    )
     g.add_argument(
         "--kernel-output",
         choices=["full", "selected"],
         default=None,
-        help="CPU selection kernel output mode",
+        help="CPU selection kernel output (--mode herald, and mage with --selection-device "
+        "cpu): full = exact attention over the prefix (default) or selected",
     )
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (dense or an offloading mode)")
@@ -146,7 +177,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     s.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    s.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32")
+    s.add_argument("--dtype", type=_dtype, default=None, help=_DTYPE_HELP)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch-size", type=int, default=16, help="running requests at most")
@@ -165,10 +196,21 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the one engine this server runs (requests asking for another mode get a 400)",
     )
     s.add_argument(
-        "--kv-budget", type=float, default=None, help="offloading modes: fraction of prefix kept"
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="offloading modes: fraction of the prefix kept per KV head, in (0, 1] (default: "
+        f"{_kv_budget_defaults()})",
     )
-    s.add_argument("--cpu-kv-gb", type=float, default=None, help="CPU KV pool size in GiB")
-    s.add_argument("--cpu-kv-tokens", type=int, default=None, help="CPU KV pool size in tokens")
+    s.add_argument(
+        "--cpu-kv-gb", type=float, default=None, help="offloading modes: CPU KV pool size in GiB"
+    )
+    s.add_argument(
+        "--cpu-kv-tokens",
+        type=int,
+        default=None,
+        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+    )
     s.add_argument(
         "--max-prefill-tokens",
         type=int,
@@ -229,6 +271,84 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def _check_kv_pad(kv_pad: int) -> None:
+    if not 0 <= kv_pad <= MAX_KV_PAD:
+        raise ValueError(f"--kv-pad must be an integer in [0, {MAX_KV_PAD}], got {kv_pad}")
+
+
+def _flags_given(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) is not None]
+
+
+def _refuse_offload_flags(args: argparse.Namespace, dests: tuple[str, ...]) -> None:
+    """``--mode dense``: refuse the offloading modes' flags (``dests``) that were given."""
+    given = _flags_given(args, dests)
+    if given:
+        names = given[0] if len(given) == 1 else ", ".join(given[:-1]) + " and " + given[-1]
+        verb = "needs" if len(given) == 1 else "need"
+        raise ValueError(
+            f"{names} {verb} an offloading --mode ({', '.join(OFFLOAD_MODES)}); "
+            "--mode dense keeps the whole KV on the device"
+        )
+
+
+def _check_pool_flags(args: argparse.Namespace) -> None:
+    """The CPU pool size flags, before the model loads (pages need its geometry: later)."""
+    gb, tokens = args.cpu_kv_gb, args.cpu_kv_tokens
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        raise ValueError(f"--cpu-kv-gb must be a finite positive number (GiB), got {gb:g}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--cpu-kv-tokens must be >= 1, got {tokens}")
+    if gb is not None and tokens is not None:
+        raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
+
+
+def _check_offload_dtype(mode: str, dtype: torch.dtype | None) -> None:
+    if mode != "dense" and dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"--mode {mode} runs bf16 models (the CPU pool and the selection kernel hold bf16), "
+            f"got --dtype {str(dtype).removeprefix('torch.')}: give --dtype bf16 or leave it out"
+        )
+
+
+def _pool_error(args: argparse.Namespace, e: ValueError) -> ValueError:
+    """``e`` naming ``--cpu-kv-gb`` when it says the pool holds no page (a page's size needs the
+    model, so this is known only once it has loaded)."""
+    if args.cpu_kv_gb is not None and "GiB holds no page" in str(e):
+        return ValueError(f"--cpu-kv-gb {args.cpu_kv_gb:g} is too small: {e}")
+    return e
+
+
+_OFFLOAD_FLAGS = {
+    "kv_budget": "kv_budget",
+    "cpu_kv_gb": "cpu_kv_gb",
+    "cpu_kv_tokens": "cpu_kv_tokens",
+    "selection_device": "selection_device",
+    "lookahead": "lookahead",
+    "kernel_output": "output_mode",
+}
+"""``herald generate``'s offloading flags (argparse dest) -> :class:`OffloadConfig` field."""
+
+
+def _generate_offload_config(args: argparse.Namespace) -> OffloadConfig:
+    """The OffloadConfig of ``generate``'s flags, its errors in CLI flag syntax."""
+    _check_pool_flags(args)
+    chosen = {
+        field: getattr(args, dest)
+        for dest, field in _OFFLOAD_FLAGS.items()
+        if getattr(args, dest) is not None
+    }
+    try:
+        return OffloadConfig.for_mode(args.mode, **chosen)
+    except ValueError as e:
+        msg = str(e).replace("lookahead='off'", "--lookahead off")
+        if msg.startswith("kv_budget "):
+            msg = "--kv-budget " + msg.removeprefix("kv_budget ")
+        elif "selection needs" in msg:
+            msg = f"--mode {args.mode}: {msg}"
+        raise ValueError(msg) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -242,6 +362,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be in [1, 1024], got {args.block_size}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if args.mask_token_id is not None and args.mask_token_id < 0:
+        raise ValueError(f"--mask-token-id must be a token id >= 0, got {args.mask_token_id}")
+    _check_kv_pad(args.kv_pad)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -253,6 +376,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     params.validate()
+    offload: OffloadConfig | None = None
+    if args.mode == "dense":
+        _refuse_offload_flags(args, tuple(_OFFLOAD_FLAGS))
+    else:
+        offload = _generate_offload_config(args)
+    _check_offload_dtype(args.mode, args.dtype)
     dtype = args.dtype or (
         torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
     )
@@ -263,10 +392,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         overrides["mask_token_id"] = args.mask_token_id
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model, config, tokenizer = load_model(
-        args.model, device=device, dtype=dtype, random_init_seed=args.seed, **overrides
-    )
+    try:
+        model, config, tokenizer = load_model(
+            args.model, device=device, dtype=dtype, random_init_seed=args.seed, **overrides
+        )
+    except ValueError as e:  # the byte-level tokenizer's check of its special ids
+        if args.mask_token_id is None or not str(e).startswith(f"special id {args.mask_token_id} "):
+            raise
+        raise ValueError(f"--mask-token-id {args.mask_token_id} is out of range: {e}") from None
     load_s = time.perf_counter() - t0
+    if args.mask_token_id is not None and args.mask_token_id >= config.vocab_size:
+        raise ValueError(
+            f"--mask-token-id {args.mask_token_id} is out of range: the model's vocabulary has "
+            f"{config.vocab_size} tokens (ids 0..{config.vocab_size - 1})"
+        )
     if is_preset(args.model) or config.hf_config.get("herald_random_weights"):
         print(
             f"NOTE: '{args.model}' has RANDOM weights: the text below is noise, "
@@ -284,42 +423,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     max_len = len(ids) + args.max_new_tokens + config.block_size
     engine: Any
-    if args.mode == "dense":
+    if offload is None:
         engine = DenseEngine(
             model, config, max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad
         )
     else:
-        from herald.config import OffloadConfig
         from herald.engine.offload import OffloadEngine
 
-        chosen = dict(
-            kv_budget=args.kv_budget,
-            cpu_kv_gb=args.cpu_kv_gb,
-            cpu_kv_tokens=args.cpu_kv_tokens,
-            selection_device=args.selection_device,
-            lookahead=args.lookahead,
-            output_mode=args.kernel_output,
-        )
-        offload = OffloadConfig.for_mode(
-            args.mode, **{k: v for k, v in chosen.items() if v is not None}
-        )
-        engine = OffloadEngine(
-            model, config, offload, max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad
-        )
+        try:
+            engine = OffloadEngine(
+                model, config, offload, max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad
+            )
+        except ValueError as e:
+            raise _pool_error(args, e) from None
         print(engine.cpu_pool.describe(), file=sys.stderr)
-    req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
-    bar = tqdm(
-        total=args.max_new_tokens, unit="tok", disable=args.quiet, file=sys.stderr, desc="decoding"
-    )
-    while engine.has_unfinished():
-        engine.step()
+    pool_usage = None
+    try:
+        req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
+        bar = tqdm(
+            total=args.max_new_tokens,
+            unit="tok",
+            disable=args.quiet,
+            file=sys.stderr,
+            desc="decoding",
+        )
+        while engine.has_unfinished():
+            engine.step()
+            bar.update(max(0, len(req.output_ids) - bar.n))
         bar.update(max(0, len(req.output_ids) - bar.n))
-    if args.mode != "dense":
-        engine.close()
-    reqs = [req]
-    bar.update(max(0, len(reqs[0].output_ids) - bar.n))
-    bar.close()
-    req = reqs[0]
+        bar.close()
+        if offload is not None:  # before close(), which frees every page still held
+            pool = engine.cpu_pool
+            pool_usage = (
+                f"CPU KV pool: {pool.num_used_pages} of {pool.num_pages} pages in use after the run"
+            )
+    finally:
+        if offload is not None:
+            engine.close()
     print(tokenizer.decode(req.output_ids))
     st = engine.stats
     decode_s = max(st.decode_seconds, 1e-9)
@@ -339,6 +479,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{b.retrieval * 1e3:.1f} ms | boundary stall {b.stall * 1e3:.1f} ms",
             file=sys.stderr,
         )
+    if pool_usage is not None:
+        print(pool_usage, file=sys.stderr)
     return 0
 
 
@@ -349,38 +491,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    _check_kv_pad(args.kv_pad)
     offload = None
     if args.mode == "dense":
-        if (args.kv_budget, args.cpu_kv_gb, args.cpu_kv_tokens) != (None, None, None):
-            raise ValueError(
-                "--kv-budget, --cpu-kv-gb and --cpu-kv-tokens need an offloading --mode"
-            )
+        _refuse_offload_flags(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))
     else:
-        from herald.config import OffloadConfig
-
+        _check_pool_flags(args)
         chosen = dict(
             kv_budget=args.kv_budget, cpu_kv_gb=args.cpu_kv_gb, cpu_kv_tokens=args.cpu_kv_tokens
         )
         offload = OffloadConfig.for_mode(
             args.mode, **{k: v for k, v in chosen.items() if v is not None}
         )
+    _check_offload_dtype(args.mode, args.dtype)
     dtype = args.dtype or (
         torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
     )
-    app = build_app(
-        args.model,
-        device=device,
-        dtype=dtype,
-        mode=args.mode,
-        offload=offload,
-        max_prefill_tokens=args.max_prefill_tokens,
-        kv_pad=args.kv_pad,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        max_waiting=args.max_waiting,
-        api_key=args.api_key,
-        seed=args.seed,
-    )
+    try:
+        app = build_app(
+            args.model,
+            device=device,
+            dtype=dtype,
+            mode=args.mode,
+            offload=offload,
+            max_prefill_tokens=args.max_prefill_tokens,
+            kv_pad=args.kv_pad,
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            max_waiting=args.max_waiting,
+            api_key=args.api_key,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise _pool_error(args, e) from None
     if is_preset(args.model):
         print(f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr)
     serve(app, host=args.host, port=args.port)
@@ -410,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
         if getattr(args, "debug", False):
             raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+        # torch's C++ errors append their native stack ("Exception raised from ..."): one line
+        msg = msg.split("\nException raised from ", 1)[0]
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
     except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint

@@ -21,7 +21,13 @@ from herald.config import SamplingParams
 from herald.diffusion.batch import DecodeBatch
 from herald.engine.cuda_graph import PiecewiseGraphForward
 from herald.engine.request import Request, RequestStatus, abort_request, new_request
-from herald.kv.dense_cache import DEFAULT_KV_PAD, DenseAttention, DenseKVCache, padded_kv_len
+from herald.kv.dense_cache import (
+    DEFAULT_KV_PAD,
+    DenseAttention,
+    DenseKVCache,
+    check_kv_pad,
+    padded_kv_len,
+)
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
@@ -84,6 +90,7 @@ class DenseEngine:
         if max_prefill_tokens is not None and max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {max_prefill_tokens}")
         self.config = config
+        check_kv_pad(kv_pad)
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(
                 f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"

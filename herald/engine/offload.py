@@ -39,7 +39,13 @@ from herald.engine.dense import EngineStats
 from herald.engine.request import Request, abort_request, new_request
 from herald.engine.retrieval import RetrievalJob, RetrievalWorker
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.dense_cache import DEFAULT_KV_PAD, SlotAttention, _sdpa_folded, padded_kv_len
+from herald.kv.dense_cache import (
+    DEFAULT_KV_PAD,
+    SlotAttention,
+    _sdpa_folded,
+    check_kv_pad,
+    padded_kv_len,
+)
 from herald.kv.gpu_selection import select_topk_rows
 from herald.kv.pinned import PinnedStaging
 from herald.kv.proxy import proxy_channels, proxy_topk
@@ -186,6 +192,7 @@ class OffloadEngine:
         use_cuda_graph: bool = True,
     ) -> None:
         offload.validate()
+        check_kv_pad(kv_pad)
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError(
                 f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
@@ -851,6 +858,27 @@ class OffloadEngine:
             self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
             self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
 
+    def _exact_row_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor
+    ) -> torch.Tensor:
+        """One request's attention over its whole KV ([Hkv, n, D]), with the key length rounded
+        up to a multiple of ``kv_pad`` and masked as in :class:`SlotAttention`, so it rounds
+        exactly like the dense engine's step over the same keys."""
+        n = keys.shape[1]
+        if not self.kv_pad:
+            return _sdpa_folded(q, keys[None], vals[None], None)
+        # masked even when n is already a multiple: SlotAttention always masks with kv_pad, and
+        # a masked call may pick another kernel than an unmasked one
+        total = padded_kv_len(n, self.kv_pad)
+        pad = (0, 0, 0, total - n)
+        mask = (torch.arange(total, device=keys.device) < n)[None, None, None, :]
+        return _sdpa_folded(
+            q,
+            torch.nn.functional.pad(keys, pad)[None],
+            torch.nn.functional.pad(vals, pad)[None],
+            mask,
+        )
+
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
         b, buf = self.block_size, self.pool.active
@@ -863,7 +891,7 @@ class OffloadEngine:
             kr, vr = self._full_rows(layer, i, st)
             keys = torch.cat([kr, k[i].transpose(0, 1)], dim=1)  # [Hkv, st + B, D]
             vals = torch.cat([vr, v[i].transpose(0, 1)], dim=1)
-            outs.append(_sdpa_folded(q[i : i + 1], keys[None], vals[None], None))
+            outs.append(self._exact_row_attention(q[i : i + 1], keys, vals))
             kk = self.k_sel[i]
             idx = select_topk_rows(q[i], keys, st + b, self.last_len[i] + b, kk)
             gi = idx[..., None].expand(-1, -1, keys.shape[-1])

@@ -96,8 +96,7 @@ class SlotAttention:
     def __init__(
         self, k: list[torch.Tensor | None], v: list[torch.Tensor | None], kv_pad: int = 0
     ) -> None:
-        if kv_pad < 0:
-            raise ValueError(f"kv_pad must be >= 0, got {kv_pad}")
+        check_kv_pad(kv_pad)
         self.set_store(k, v)
         self.kv_pad = kv_pad
         self._slots = slice(0, 0)
@@ -107,6 +106,7 @@ class SlotAttention:
         self._prefix: torch.Tensor | None = None
         self._block_size: int | None = None
         self._draft = False
+        self._plain_kv_len = 0
 
     def set_store(self, k: list[torch.Tensor | None], v: list[torch.Tensor | None]) -> None:
         """Point at other K/V tensors (e.g. the other buffer of a double-buffered pool)."""
@@ -138,11 +138,15 @@ class SlotAttention:
         self._block_size = block_size if block_size is not None and length > block_size else None
         self._draft = draft_group
         uniform = all(p == prefix[0] for p in prefix)
+        # the key length of a plain denoising step over the same prefix (the draft group's
+        # block half attends over exactly that many keys)
+        self._plain_kv_len = max(prefix) + (length // 2 if draft_group else length)
         if self.kv_pad and self._block_size is None:
             # Key length rounded up to a multiple of kv_pad, every row masked to its own rows:
             # a row's keys then fall into the same kernel blocks whatever the batch's longest
             # row (batch-invariant results), and the shape changes once per kv_pad tokens.
             end, uniform = min(self.capacity, padded_kv_len(end, self.kv_pad)), False
+            self._plain_kv_len = min(self.capacity, padded_kv_len(self._plain_kv_len, self.kv_pad))
         self._length, self._kv_len = length, end
         self._uniform = prefix[0] if uniform else None
         self._prefix = torch.tensor(prefix, device=self.device)
@@ -204,8 +208,9 @@ class SlotAttention:
             return _sdpa_folded(q, keys, values, self._key_mask(self._length))
         b = self._length // 2
         # NOTE: the block group is computed exactly as a plain denoising step (same keys, same
-        # kernel), so the draft never changes the block's numbers.
-        kv_block = self._kv_len - b
+        # key length -- with kv_pad, padded(p + B), not padded(p + 2B) - B -- same kernel), so
+        # the draft never changes the block's numbers.
+        kv_block = self._plain_kv_len
         o_block = _sdpa_folded(
             q[:, :b].contiguous(),
             keys[:, :, :kv_block],
@@ -216,12 +221,22 @@ class SlotAttention:
         return torch.cat([o_block, o_draft], dim=1)
 
 
+MAX_KV_PAD = 65536
+"""The largest ``kv_pad`` accepted (store capacities grow with it)."""
+
 DEFAULT_KV_PAD = 512
 """The engines' default ``kv_pad``. Measured on the H200 (``results/offload/profile/``,
 LLaDA2.0-mini 32K x 32, 5%): it makes herald equal dense at budget 1.0 on the GPU (without it the
 two differ in one request from token 66, every run: their padded key lengths differ), and it cuts
 the main stream's steps 0-1 from 0.1-1.7 s to ~25 ms (cuDNN builds one plan per new key length:
 every block without padding, once per 512 tokens with it)."""
+
+
+def check_kv_pad(kv_pad: int) -> None:
+    """ValueError unless ``0 <= kv_pad <=`` :data:`MAX_KV_PAD` (engines check it before they size
+    their stores)."""
+    if not 0 <= kv_pad <= MAX_KV_PAD:
+        raise ValueError(f"kv_pad must be in [0, {MAX_KV_PAD}], got {kv_pad}")
 
 
 def padded_kv_len(n: int, kv_pad: int) -> int:

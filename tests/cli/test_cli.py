@@ -39,6 +39,62 @@ from herald.cli import main
             ],
             "not both",
         ),
+        # --kv-pad is bounded (a huge one was OOM-killed / a C++ stack dump)
+        (["generate", "--prompt", "x", "--kv-pad", "10000000"], "--kv-pad must be an integer in"),
+        (["generate", "--prompt", "x", "--kv-pad", "99999999999999999999"], "[0, 65536]"),
+        (["generate", "--prompt", "x", "--kv-pad", "-1"], "--kv-pad"),
+        # --mode dense refuses the offloading flags, naming those given
+        (
+            ["generate", "--prompt", "x", "--kv-budget", "7", "--cpu-kv-gb", "-3"],
+            "--kv-budget and --cpu-kv-gb need an offloading --mode",
+        ),
+        (["generate", "--prompt", "x", "--lookahead", "off"], "--lookahead needs an offloading"),
+        (
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--mode",
+                "dense",
+                "--cpu-kv-tokens",
+                "64",
+                "--selection-device",
+                "gpu",
+                "--kernel-output",
+                "full",
+            ],
+            "--cpu-kv-tokens, --selection-device and --kernel-output need an offloading --mode",
+        ),
+        # pool sizes: finite positive, named by their flag
+        (
+            ["generate", "--prompt", "x", "--mode", "herald", "--cpu-kv-gb", "inf"],
+            "finite positive",
+        ),
+        (["generate", "--prompt", "x", "--mode", "herald", "--cpu-kv-gb", "nan"], "--cpu-kv-gb"),
+        (
+            ["generate", "--prompt", "x", "--mode", "herald", "--cpu-kv-gb", "-1"],
+            "--cpu-kv-gb must be a finite positive number",
+        ),
+        (
+            ["generate", "--prompt", "x", "--mode", "mage", "--cpu-kv-tokens", "0"],
+            "--cpu-kv-tokens",
+        ),
+        (["generate", "--prompt", "x", "--mode", "herald", "--cpu-kv-gb", "1e-9"], "--cpu-kv-gb"),
+        # OffloadConfig's errors in CLI flag syntax
+        (
+            ["generate", "--prompt", "x", "--mode", "mage", "--lookahead", "draft"],
+            "(use --lookahead off)",
+        ),
+        (["generate", "--prompt", "x", "--mode", "herald", "--kv-budget", "7"], "--kv-budget must"),
+        (["generate", "--prompt", "x", "--mode", "mage", "--dtype", "fp16"], "--dtype"),
+        (["generate", "--prompt", "x", "--mask-token-id", "-1"], "--mask-token-id"),
+        (["generate", "--prompt", "x", "--mask-token-id", "99999"], "--mask-token-id 99999"),
+        (["serve", "--device", "cpu", "--kv-pad", "10000000"], "--kv-pad must be an integer in"),
+        (["serve", "--device", "cpu", "--kv-pad", "-1"], "[0, 65536]"),
+        (
+            ["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-gb", "nan"],
+            "--cpu-kv-gb must be a finite positive number",
+        ),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
@@ -48,6 +104,51 @@ def test_user_errors_are_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and message in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kv-pad", "65537"],
+        ["--kv-budget", "0.5"],
+        ["--mode", "herald", "--kv-budget", "0"],
+        ["--mode", "herald", "--cpu-kv-gb", "0"],
+        ["--mode", "herald", "--cpu-kv-tokens", "8", "--cpu-kv-gb", "1"],
+        ["--mode", "infinigen", "--lookahead", "draft"],
+        ["--mode", "herald", "--dtype", "fp32"],
+        ["--mask-token-id", "-1"],
+    ],
+)
+def test_settings_are_checked_before_the_model_loads(flags, monkeypatch, capsys):
+    from herald.models import loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    argv = ["generate", "--model", "tiny-sdar", "--prompt", "x", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ValueError:") and " --" in err[0], err
+
+
+def test_mask_token_id_beyond_the_vocabulary(capsys):
+    """A checkpoint with a real tokenizer (the bundled one) checks no special ids: the CLI checks
+    the id against the vocabulary once the model has loaded (it was an IndexError)."""
+    argv = ["generate", "--device", "cpu", "--prompt", "x", "--mask-token-id", "99999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "--mask-token-id 99999 is out of range" in err[-1]
+    assert "vocabulary has" in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_help_states_defaults_and_which_modes_use_a_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "herald 0.05, mage 0.025, infinigen 0.2" in help_text
+    assert "bf16 with an offloading --mode" in help_text
+    assert "--mode mage only" in help_text and "Ignored by --mode herald" in help_text
 
 
 def test_prompt_file_is_a_directory(tmp_path, capsys):
@@ -105,6 +206,8 @@ def test_offload_mode_prints_block_timing(capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "CPU KV pool" in err and "retrieval stream" in err and "boundary stall" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("CPU KV pool: 0 of ") and last.endswith(" pages in use after the run")
 
 
 def test_default_model_is_the_bundled_trained_checkpoint(capsys):

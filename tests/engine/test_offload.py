@@ -378,3 +378,25 @@ def test_kv_pad_budget_one_equals_dense_with_kv_pad(setup):
     got = [r.output_ids for r in eng.generate(prompts, params)]
     eng.close()
     assert got == ref
+
+
+def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
+    """Fixed steps expose near-ties (found by a user trial on json/decoder.py, 4 steps): with
+    kv_pad the fused block+draft step's block half must attend over a plain step's key length
+    (padded(p + B), not padded(p + 2B) - B), and MAGE's exact step-0 attention must be padded like
+    dense's; without either one, budget 1.0 differed from dense within the first blocks."""
+    import json.decoder
+
+    from herald.models.loader import load_model
+
+    model, config, tok = load_model("code-sdar", "cpu", torch.bfloat16)
+    with open(json.decoder.__file__, encoding="utf-8") as f:
+        ids = tok.encode(f.read())[-400:]
+    params = SamplingParams(max_new_tokens=64, num_denoise_steps=4)
+    dense = DenseEngine(model, config, max_batch_size=1, max_seq_len=512)
+    ref = dense.generate([ids], params)[0].output_ids
+    for mode in ("herald", "mage-gpu", "infinigen"):
+        eng = OffloadEngine(model, config, MODES[mode], max_batch_size=1, max_seq_len=512)
+        got = eng.generate([ids], params)[0].output_ids
+        eng.close()
+        assert got == ref, mode
