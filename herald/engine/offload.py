@@ -621,7 +621,7 @@ class OffloadEngine:
         )
         if draft is not None:
             self._draft = draft
-        if s == 1 and lookahead:
+        if s == 1 and lookahead and not all(map(self._last_block, self.batch.requests)):
             self._start_retrieval(draft_kv)
         self._block_step += 1
         if not bool(self.batch.masked.any()):
@@ -642,6 +642,16 @@ class OffloadEngine:
                 return self.model(input_ids, positions, self.attn)
             runner = self._graphs[key] = PiecewiseGraphForward(self.model, *key)
         return runner.forward(input_ids, positions, self.attn)
+
+    def _last_block(self, req: Request) -> bool:
+        """True when ``req`` ends with the current block by length (then no request of a batch
+        made only of such needs the next block's selection)."""
+        b = self.block_size
+        new = b - max(0, req.prompt_len - req.block_start)  # tokens this block adds
+        return (
+            req.block_start + b >= req.layout.total_len
+            or len(req.output_ids) + new >= req.params.max_new_tokens
+        )
 
     def _start_retrieval(self, draft_kv: torch.Tensor | None) -> RetrievalJob:
         """Hand the next block's selection to the retrieval stream (lookahead: its thread; off:
@@ -712,12 +722,18 @@ class OffloadEngine:
         rsubmit: float | None = None
         rlayers: dict[str, float] = {}
         k_next = [self.budget_for(st + b) for st in starts]
-        if self.offload.selection_queries == "representative":
-            if self._job is None:  # lookahead off (or no step 1 ran): select now, after commit
+        finishing = all(r.status.finished for r in reqs)
+        if self.offload.selection_queries == "representative" and (
+            self._job is not None or not finishing
+        ):
+            sync = self._job is None
+            if sync:  # lookahead off (or no step 1 ran): select now, after commit
                 self._start_retrieval(None)
             assert self._job is not None
             stream = torch.cuda.current_stream(self.device) if self.cuda else None
             stall = self._job.wait(stream)
+            if sync:  # the whole synchronous selection is the boundary's wait
+                stall = time.perf_counter() - self._block_t0 - main_t
             job = self._job
             retrieval = job.seconds
             rstart, rend = job.t_start - self._block_t0, job.t_end - self._block_t0

@@ -272,7 +272,8 @@ def test_abort_waiting_request_never_runs():
 @pytest.mark.parametrize("mode", ["herald", "mage-cpu", "infinigen"])
 def test_random_prefill_decodes_and_times_blocks(mode):
     """Benchmark prefill (random KV, no prompt forward) runs every mode to completion, with
-    per-block timings: the retrieval job of herald runs inside its block."""
+    per-block timings: the retrieval job of herald runs inside its block, and none runs in the
+    last block (nothing follows it)."""
     model, config = _model("tiny-llada2")
     cfg = OffloadConfig(**{**vars(MODES[mode]), "kv_budget": 0.2})
     eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True)
@@ -284,9 +285,11 @@ def test_random_prefill_decodes_and_times_blocks(mode):
     blocks = eng.stats.blocks
     assert len(blocks) == 2 and all(b.steps == 5 for b in blocks)  # 4 steps + commit
     if mode == "herald":
-        for b in blocks:
+        for b in blocks[:-1]:
             assert b.retrieval_start is not None and b.retrieval_end is not None
             assert 0 <= b.retrieval_start <= b.retrieval_end <= b.main + b.stall + 1e-3
+        # every request ends with the last block (by length): no selection for a block after it
+        assert blocks[-1].retrieval_start is None and blocks[-1].retrieval == 0
 
 
 def test_chunked_prefill_across_boundaries_equals_dense():
@@ -400,3 +403,17 @@ def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
         got = eng.generate([ids], params)[0].output_ids
         eng.close()
         assert got == ref, mode
+
+
+def test_lookahead_off_counts_the_synchronous_selection_as_stall():
+    """Without lookahead the next block's selection runs after the commit, on the engine's
+    thread: the block waits for all of it, so the stall is at least the retrieval time."""
+    model, config = _model("tiny-llada2")
+    cfg = OffloadConfig.for_mode("herald", kv_budget=0.2, lookahead="off")
+    eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True)
+    params = SamplingParams(max_new_tokens=96, num_denoise_steps=2, ignore_eos=True)
+    eng.generate(_prompts(config, [192, 192]), params)
+    eng.close()
+    first, *_, last = eng.stats.blocks
+    assert first.retrieval > 0 and first.stall >= first.retrieval
+    assert last.retrieval == 0 and last.retrieval_start is None
