@@ -330,22 +330,60 @@ _OFFLOAD_FLAGS = {
 """``herald generate``'s offloading flags (argparse dest) -> :class:`OffloadConfig` field."""
 
 
-def _generate_offload_config(args: argparse.Namespace) -> OffloadConfig:
-    """The OffloadConfig of ``generate``'s flags, its errors in CLI flag syntax."""
+def _offload_config(args: argparse.Namespace, dests: tuple[str, ...]) -> OffloadConfig:
+    """The OffloadConfig of the offloading flags ``dests`` (argparse dests, keys of
+    :data:`_OFFLOAD_FLAGS`), its errors in CLI flag syntax; flags a mode does not use are
+    refused rather than ignored."""
     _check_pool_flags(args)
     chosen = {
-        field: getattr(args, dest)
-        for dest, field in _OFFLOAD_FLAGS.items()
-        if getattr(args, dest) is not None
+        _OFFLOAD_FLAGS[dest]: getattr(args, dest)
+        for dest in dests
+        if getattr(args, dest, None) is not None
     }
+    if "selection_device" in chosen and args.mode != "mage":
+        raise ValueError(
+            f"--selection-device applies to --mode mage only (--mode {args.mode} selects "
+            + ("on the CPU)" if args.mode == "herald" else "with proxy channels on the GPU)")
+        )
     try:
-        return OffloadConfig.for_mode(args.mode, **chosen)
+        cfg = OffloadConfig.for_mode(args.mode, **chosen)
     except ValueError as e:
         msg = str(e).replace("lookahead='off'", "--lookahead off")
         if msg.startswith("kv_budget "):
             msg = "--kv-budget " + msg.removeprefix("kv_budget ")
         elif "selection needs" in msg:
             msg = f"--mode {args.mode}: {msg}"
+        raise ValueError(msg) from None
+    if "output_mode" in chosen and cfg.selection_device != "cpu":
+        raise ValueError(
+            "--kernel-output applies where the CPU kernel selects: --mode herald, or --mode mage "
+            "--selection-device cpu"
+        )
+    return cfg
+
+
+_SAMPLING_FLAGS = {
+    "num_denoise_steps": "--steps",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "threshold": "--threshold",
+    "seed": "--seed",
+}
+""":class:`SamplingParams` field -> ``herald generate`` flag (for its validation errors)."""
+
+
+def _validate_sampling(params: SamplingParams) -> None:
+    """``params.validate()`` with the field named by its CLI flag."""
+    try:
+        params.validate()
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _SAMPLING_FLAGS.items():
+            if msg.startswith(field + " "):
+                msg = flag + msg.removeprefix(field)
+                break
         raise ValueError(msg) from None
 
 
@@ -375,12 +413,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    params.validate()
+    _validate_sampling(params)
     offload: OffloadConfig | None = None
     if args.mode == "dense":
         _refuse_offload_flags(args, tuple(_OFFLOAD_FLAGS))
     else:
-        offload = _generate_offload_config(args)
+        offload = _offload_config(args, tuple(_OFFLOAD_FLAGS))
     _check_offload_dtype(args.mode, args.dtype)
     dtype = args.dtype or (
         torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
@@ -496,13 +534,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.mode == "dense":
         _refuse_offload_flags(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))
     else:
-        _check_pool_flags(args)
-        chosen = dict(
-            kv_budget=args.kv_budget, cpu_kv_gb=args.cpu_kv_gb, cpu_kv_tokens=args.cpu_kv_tokens
-        )
-        offload = OffloadConfig.for_mode(
-            args.mode, **{k: v for k, v in chosen.items() if v is not None}
-        )
+        offload = _offload_config(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))
     _check_offload_dtype(args.mode, args.dtype)
     dtype = args.dtype or (
         torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32

@@ -14,7 +14,16 @@ from herald.cli import main
         (["generate", "--prompt", "x", "--device", "tpu"], "unknown --device"),
         (["generate", "--prompt", "x", "--block-size", "0"], "--block-size"),
         (["generate", "--prompt", "x", "--temperature", "nan"], "finite"),
-        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+        (["generate", "--prompt", "x", "--steps", "0"], "--steps must be"),
+        (
+            ["generate", "--prompt", "x", "--mode", "herald", "--selection-device", "gpu"],
+            "--selection-device applies to --mode mage only",
+        ),
+        (
+            ["generate", "--prompt", "x", "--mode", "infinigen", "--kernel-output", "selected"],
+            "--kernel-output applies where the CPU kernel selects",
+        ),
         (["generate", "--prompt", "x", "--threshold", "0"], "threshold"),
         (["generate", "--prompt", "x", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
         (["generate", "--prompt-file", "/definitely/not/here.py"], "No such file"),

@@ -15,7 +15,7 @@ from herald.cli import main
         (["serve", "--device", "cpu", "--max-batch-size", "0"], "--max-batch-size"),
         (["serve", "--device", "tpu"], "--device"),
         (["serve", "--device", "cpu", "--kv-budget", "0.5"], "--kv-budget"),
-        (["serve", "--device", "cpu", "--mode", "herald", "--kv-budget", "0"], "kv_budget"),
+        (["serve", "--device", "cpu", "--mode", "herald", "--kv-budget", "0"], "--kv-budget"),
         (["serve", "--device", "cpu", "--max-prefill-tokens", "0"], "--max-prefill-tokens"),
         (["serve", "--device", "cpu", "--mode", "herald", "--dtype", "fp32"], "bf16"),
     ],
