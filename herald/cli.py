@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from herald.config import OffloadConfig, SamplingParams
-from herald.kv.dense_cache import DEFAULT_KV_PAD, MAX_KV_PAD
+from herald.kv.dense_cache import DEFAULT_KV_PAD, MAX_KV_PAD, check_kv_pad
 
 DEFAULT_MODEL = "code-sdar"
 """The embedded default: the small SDAR code model trained with ``herald train`` that ships in
@@ -271,11 +271,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _check_kv_pad(kv_pad: int) -> None:
-    if not 0 <= kv_pad <= MAX_KV_PAD:
-        raise ValueError(f"--kv-pad must be an integer in [0, {MAX_KV_PAD}], got {kv_pad}")
-
-
 def _flags_given(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
     return ["--" + d.replace("_", "-") for d in dests if getattr(args, d, None) is not None]
 
@@ -402,7 +397,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     if args.mask_token_id is not None and args.mask_token_id < 0:
         raise ValueError(f"--mask-token-id must be a token id >= 0, got {args.mask_token_id}")
-    _check_kv_pad(args.kv_pad)
+    check_kv_pad(args.kv_pad, "--kv-pad")
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -529,7 +524,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
-    _check_kv_pad(args.kv_pad)
+    check_kv_pad(args.kv_pad, "--kv-pad")
     offload = None
     if args.mode == "dense":
         _refuse_offload_flags(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))

@@ -43,6 +43,7 @@ from herald.kv.dense_cache import (
     DEFAULT_KV_PAD,
     SlotAttention,
     _sdpa_folded,
+    attend_prefix_and_tail,
     check_kv_pad,
     padded_kv_len,
 )
@@ -874,27 +875,6 @@ class OffloadEngine:
             self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
             self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
 
-    def _exact_row_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor
-    ) -> torch.Tensor:
-        """One request's attention over its whole KV ([Hkv, n, D]), with the key length rounded
-        up to a multiple of ``kv_pad`` and masked as in :class:`SlotAttention`, so it rounds
-        exactly like the dense engine's step over the same keys."""
-        n = keys.shape[1]
-        if not self.kv_pad:
-            return _sdpa_folded(q, keys[None], vals[None], None)
-        # masked even when n is already a multiple: SlotAttention always masks with kv_pad, and
-        # a masked call may pick another kernel than an unmasked one
-        total = padded_kv_len(n, self.kv_pad)
-        pad = (0, 0, 0, total - n)
-        mask = (torch.arange(total, device=keys.device) < n)[None, None, None, :]
-        return _sdpa_folded(
-            q,
-            torch.nn.functional.pad(keys, pad)[None],
-            torch.nn.functional.pad(vals, pad)[None],
-            mask,
-        )
-
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
         b, buf = self.block_size, self.pool.active
@@ -905,11 +885,23 @@ class OffloadEngine:
         outs = []
         for i, st in enumerate(self.batch.starts()):
             kr, vr = self._full_rows(layer, i, st)
-            keys = torch.cat([kr, k[i].transpose(0, 1)], dim=1)  # [Hkv, st + B, D]
-            vals = torch.cat([vr, v[i].transpose(0, 1)], dim=1)
-            outs.append(self._exact_row_attention(q[i : i + 1], keys, vals))
+            # [Hkv, padded(st + B), D]: the key length rounded up to a multiple of kv_pad (zero
+            # rows, masked) in the same copy, so the exact attention rounds like the dense
+            # engine's step over the same keys
+            n = st + b
+            pad = kr.new_zeros(kr.shape[0], padded_kv_len(n, self.kv_pad) - n, kr.shape[2])
+            keys = torch.cat([kr, k[i].transpose(0, 1), pad], dim=1)
+            vals = torch.cat([vr, v[i].transpose(0, 1), pad], dim=1)
+            if self.kv_pad:  # masked even when n is a multiple, as SlotAttention always is
+                outs.append(
+                    attend_prefix_and_tail(
+                        q[i : i + 1], keys[None], vals[None], [n], [n], 0, self.kv_pad
+                    )
+                )
+            else:
+                outs.append(_sdpa_folded(q[i : i + 1], keys[None], vals[None], None))
             kk = self.k_sel[i]
-            idx = select_topk_rows(q[i], keys, st + b, self.last_len[i] + b, kk)
+            idx = select_topk_rows(q[i], keys, n, self.last_len[i] + b, kk)
             gi = idx[..., None].expand(-1, -1, keys.shape[-1])
             self.pool.k(buf, layer)[i, :, :kk] = keys.gather(1, gi)
             self.pool.v(buf, layer)[i, :, :kk] = vals.gather(1, gi)

@@ -232,11 +232,11 @@ the main stream's steps 0-1 from 0.1-1.7 s to ~25 ms (cuDNN builds one plan per 
 every block without padding, once per 512 tokens with it)."""
 
 
-def check_kv_pad(kv_pad: int) -> None:
+def check_kv_pad(kv_pad: int, name: str = "kv_pad") -> None:
     """ValueError unless ``0 <= kv_pad <=`` :data:`MAX_KV_PAD` (engines check it before they size
-    their stores)."""
+    their stores; the CLI before the model loads, as ``name="--kv-pad"``)."""
     if not 0 <= kv_pad <= MAX_KV_PAD:
-        raise ValueError(f"kv_pad must be in [0, {MAX_KV_PAD}], got {kv_pad}")
+        raise ValueError(f"{name} must be an integer in [0, {MAX_KV_PAD}], got {kv_pad}")
 
 
 def padded_kv_len(n: int, kv_pad: int) -> int:
