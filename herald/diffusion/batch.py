@@ -202,7 +202,6 @@ class DecodeBatch:
 
     def _complete_block(self, req: Request, row: int) -> bool:
         """Record a completed block; returns True when the request is finished."""
-        b = self.block_size
         req.steps_per_block.append(req.steps_in_block)
         block = self.tokens[row].tolist()
         skip = max(0, req.prompt_len - req.block_start)  # prompt tail inside the first block
@@ -215,7 +214,7 @@ class DecodeBatch:
                     del req.output_ids[j:]
                     req.status = RequestStatus.FINISHED_STOPPED
                     return True
-        if len(req.output_ids) >= limit or req.block_start + b >= req.layout.total_len:
+        if req.reaches_length():
             del req.output_ids[limit:]
             req.status = RequestStatus.FINISHED_LENGTH
             return True

@@ -647,12 +647,8 @@ class OffloadEngine:
     def _last_block(self, req: Request) -> bool:
         """True when ``req`` ends with the current block by length (then no request of a batch
         made only of such needs the next block's selection)."""
-        b = self.block_size
-        new = b - max(0, req.prompt_len - req.block_start)  # tokens this block adds
-        return (
-            req.block_start + b >= req.layout.total_len
-            or len(req.output_ids) + new >= req.params.max_new_tokens
-        )
+        added = self.block_size - max(0, req.prompt_len - req.block_start)  # this block's tokens
+        return req.reaches_length(added)
 
     def _start_retrieval(self, draft_kv: torch.Tensor | None) -> RetrievalJob:
         """Hand the next block's selection to the retrieval stream (lookahead: its thread; off:

@@ -69,6 +69,15 @@ class Request:
     def num_denoise_steps(self) -> int:
         return sum(self.steps_per_block)
 
+    def reaches_length(self, pending: int = 0) -> bool:
+        """True when the current block is the request's last by length: ``output_ids`` plus
+        ``pending`` tokens not yet appended reach ``max_new_tokens``, or the block ends the
+        canvas (:class:`BlockLayout`)."""
+        return (
+            len(self.output_ids) + pending >= self.params.max_new_tokens
+            or self.block_start + self.block_size >= self.layout.total_len
+        )
+
 
 def new_request(
     prompt_ids: list[int],
