@@ -12,6 +12,8 @@
 # matplotlib is there). Units run most important first (dense, control, each mode at its
 # operating budget, the Fig. 7/9 analysis, then the other budgets); none starts after TIME_LIMIT
 # seconds, and every finished unit is already on disk, so a part cut short still reports.
+# runs/ and examples/ lie too deep for the device machine's file return, so they also come back
+# packed as $OUT/eval-<part>-raw.tgz: unpack it into the copied part (tar xzf ... -C <part dir>).
 # Merge on the dev machine: copy each $OUT/eval/<part> to results/eval/<part>, then
 #   python -m herald.cli eval --report --out results/eval
 # To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from an untracked
@@ -55,6 +57,7 @@ else
 fi
 rc=$?
 echo "herald eval exit $rc"
+tar czf "$OUT/eval-$PART-raw.tgz" -C "$DEST" runs examples 2>/dev/null
 ls "$DEST" "$DEST/runs" 2>/dev/null | head -60
 [ -f "$DEST/README.md" ] && sed -n '/## Overview/,/## Fig. 7/p' "$DEST/README.md"
 exit $rc
