@@ -24,9 +24,12 @@ def edit_similarity(a: str, b: str) -> float:
 
 
 def first_line(completion: str) -> str:
-    """The predicted next line: the completion cut at its first newline, after skipping blank
-    lines at its start (RepoBench's scorer likewise takes the first non-empty line)."""
-    for line in completion.split("\n"):
+    """The predicted next line: the first non-blank line that starts after a line break of the
+    completion (RepoBench's scorer likewise takes the first non-empty line). The line task's
+    prompt stops before the newline that ends the line above the target (see
+    :func:`herald.eval.tasks.line_prompt_text`), so text before the completion's first newline
+    would finish that line, not start the target; ``""`` if the completion has no such line."""
+    for line in completion.split("\n")[1:]:
         if line.strip():
             return line.rstrip("\r")
     return ""

@@ -6,7 +6,9 @@ Two tasks, both deterministic for a seed and a tokenizer:
     Pick a package (``email/``, ``asyncio/``, ...), a file of it and a target line. The prompt is
     the package's other files, each under a ``# file: path`` header, ordered least to most related
     (the files the target imports sit last, next to it), then the target file's own header and
-    its prefix up to the target line. The cross-file part is truncated from the LEFT so that the
+    its prefix up to the target line, ending at the last non-blank character before it (see
+    ``line_prompt_text``: a prompt ending in a newline would be a token boundary the model never
+    saw before an indented line). The cross-file part is truncated from the LEFT so that the
     prompt is ``context`` tokens; the in-file prefix is always kept (capped at ``infile_tokens``
     tokens, itself truncated from the left when longer). Target lines are single-line statements
     of 10-160 characters that are not comments, docstrings or imports and do not already occur in
@@ -255,11 +257,23 @@ def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[t
     return out
 
 
+def line_prompt_text(f: SourceFile, row: int) -> str:
+    """The in-file prompt text for target line ``row`` (1-based) of ``f``: its ``# file:`` header
+    and the lines above the target, with the trailing whitespace (the newline before the target
+    and any blank lines) removed."""
+    return (f"# file: {f.rel}\n" + "".join(f.lines[: row - 1])).rstrip()
+
+
 def _line_prompt(
     corpus: Corpus, codec: TextCodec, f: SourceFile, row: int, context: int, cfg: TaskConfig
 ) -> tuple[list[int], dict[str, Any]]:
     cap = max(1, min(cfg.infile_tokens, context // 2))
-    text = f"# file: {f.rel}\n" + "".join(f.lines[: row - 1])
+    # NOTE: the prompt stops at the last non-blank character before the target line, not after
+    # its newline. Byte-level BPE merges a newline with the next line's indentation into one
+    # token ("\n" + 8 spaces), so a prompt ending in a bare "\n" token tells the model that the
+    # next line is NOT indented: the model then completes almost every target with a top-level
+    # ``def``. The model writes the newline-and-indentation token itself; scoring strips it.
+    text = line_prompt_text(f, row)
     ratio = len(f.chunk()) / max(1, len(corpus.chunk_ids(f.rel)))  # characters per token
     infile, truncated = _encode_tail(codec, text, cap, ratio)
     others = [r for r in corpus.packages[f.package] if r != f.rel]

@@ -16,10 +16,14 @@ def test_edit_similarity_known_values():
 
 
 def test_first_line_and_identifier():
-    assert first_line("    return x\n    y = 2\n") == "    return x"
+    # The prompt stops before the newline ending the line above the target: the prediction is
+    # the first non-blank line after a line break; text before it finishes the line above.
+    assert first_line("\n    return x\n    y = 2\n") == "    return x"
     assert first_line("\n\n  \n    return x\nmore") == "    return x"
+    assert first_line("ardown\n        from x import y\n") == "        from x import y"
+    assert first_line("    return x") == ""  # never leaves the line above
     assert first_line("\n \n") == ""
-    assert first_line("a\r\nb") == "a"
+    assert first_line("\na\r\nb") == "a"
     assert first_identifier("  _foo_1(bar)") == "_foo_1"
     assert first_identifier("\nfoo") == ""  # a newline first: no identifier at the use
     assert first_identifier("(x)") == ""

@@ -75,6 +75,10 @@ def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, 
     for ex in line_ex:
         f = corpus.read(ex.meta["file"])
         infile = (f"# file: {f.rel}\n" + "".join(f.lines[: ex.meta["line"] - 1])).encode()
+        # The prompt stops before the newline that precedes the target (and any blank lines):
+        # the model writes the newline-and-indentation token (one BPE token) itself.
+        infile = infile.rstrip()
+        assert not bytes(ex.prompt_ids[-1:]).isspace()
         n_in = ex.meta["infile_tokens"]
         assert n_in == min(len(infile), 64)
         assert len(ex.prompt_ids) == 1024  # stdlib packages are far longer than 1K bytes
