@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.warmup_blocks < 1 or args.timed_blocks < 1:
         raise ValueError("--warmup-blocks and --timed-blocks must be >= 1 (block 0 holds prefill)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    # --dry-run --device cuda on a machine without a GPU lists what a GPU run would measure.
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
         raise ValueError("--device cuda but no CUDA GPU; use --device cpu for a smoke run")
     everything = plan.build_plan(args.plan) if args.plan else plan.merge(custom_sweeps(args))
     sweeps = plan.filter_sweeps(
