@@ -51,7 +51,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny-sdar", help="checkpoint directory or preset name")
+    p.add_argument(
+        "--model",
+        default="code-sdar",
+        help="checkpoint directory, bundled checkpoint (code-sdar) or random-weight preset "
+        "(default: code-sdar, the trained model; a preset's scores are noise)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--report", action="store_true", help="only rewrite the report from --out")
@@ -97,10 +102,34 @@ def _device(name: str | None) -> torch.device:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.num_examples < 1 or args.batch_size < 1:
-        raise ValueError("--num-examples and --batch-size must be >= 1")
-    if any(not 0.0 < b <= 1.0 for b in args.budgets):
-        raise ValueError(f"--budgets must lie in (0, 1], got {args.budgets}")
+    """Every flag checked before the model loads or --out is touched (errors name the flag)."""
+    args.contexts = list(dict.fromkeys(args.contexts))  # a repeated context would run twice
+    positive = {
+        "--num-examples": args.num_examples,
+        "--batch-size": args.batch_size,
+        "--control-tokens": args.control_tokens,
+        "--infile-tokens": args.infile_tokens,
+        "--min-distance": args.min_distance,
+        "--analysis-blocks": args.analysis_blocks,
+        "--selection-threads": args.selection_threads,
+        "--steps": args.steps,
+    }
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.analysis_examples < 0:
+        n = args.analysis_examples
+        raise ValueError(f"--analysis-examples must be >= 0 (0 = off), got {n}")
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+    for flag, values in (
+        ("--budgets", args.budgets),
+        ("--threshold", [args.threshold]),
+        ("--oracle-budget", [args.oracle_budget]),
+    ):
+        if any(not 0.0 < v <= 1.0 for v in values):  # also refuses nan
+            shown = values if flag == "--budgets" else values[0]
+            raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
     if any(c <= args.control_tokens for c in args.contexts):
         raise ValueError(f"every context must exceed --control-tokens {args.control_tokens}")
     if "recall" in args.task and min(args.contexts) < args.min_distance + 64:
@@ -111,6 +140,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    ckpt_dir = _checkpoint_dir(str(args.model))
     info = {
         "name": str(args.model),
         "architecture": config.architecture,
@@ -120,13 +150,52 @@ def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "block_size": config.block_size,
         "max_position_embeddings": config.max_position_embeddings,
-        "random_weights": bool(config.hf_config.get("herald_random_weights"))
-        or not Path(args.model).is_dir(),
+        "random_weights": bool(config.hf_config.get("herald_random_weights")) or ckpt_dir is None,
     }
-    cfg_file = Path(args.model) / "config.json"
-    if cfg_file.is_file():
-        info["config_sha256"] = hashlib.sha256(cfg_file.read_bytes()).hexdigest()
+    if ckpt_dir is not None and (ckpt_dir / "config.json").is_file():
+        info["config_sha256"] = hashlib.sha256((ckpt_dir / "config.json").read_bytes()).hexdigest()
     return info
+
+
+def _checkpoint_dir(model: str) -> Path | None:
+    """The checkpoint directory ``--model`` names (a directory or a bundled checkpoint), or None
+    for a random-weight preset."""
+    from herald.models.loader import bundled_checkpoint
+
+    return Path(model) if Path(model).is_dir() else bundled_checkpoint(model)
+
+
+_RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples")
+"""Settings a unit already under --out must share with this command to be skipped (the device
+may differ: parts of one evaluation can run on different machines)."""
+
+
+def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
+    """Refuse to mix settings in one --out: a finished unit run with other settings would be
+    skipped and reported as if this command had run it."""
+    for u in units:
+        path = runs / f"{u.key}.json"
+        if not path.is_file():
+            continue
+        old = json.loads(path.read_text()).get("config", {})
+        new = json.loads(json.dumps(config))  # as it would be stored (tuples -> lists)
+        diff = []
+        for key in _RESUME_KEYS:
+            if key not in old or old[key] == new[key]:
+                continue  # older results may lack a key: nothing to compare
+            if isinstance(old[key], dict) and isinstance(new[key], dict):
+                diff += [
+                    f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
+                    for k in sorted(old[key].keys() | new[key].keys())
+                    if old[key].get(k) != new[key].get(k)
+                ]
+            else:
+                diff.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+        if diff:
+            raise ValueError(
+                f"{path} was run with other settings ({'; '.join(diff)}); rerun with the same "
+                "settings to continue, or use a new --out"
+            )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -181,6 +250,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     k, n = args.part
     units = units[k - 1 :: n]
     runs = out / "runs"
+    run_config = {
+        "model": info,
+        "decode": asdict(dcfg),
+        "tasks": asdict(tcfg),
+        "analysis": asdict(acfg),
+        "num_examples": args.num_examples,
+        "device": str(device),
+    }
+    _check_resume(runs, units, run_config)
     runs.mkdir(parents=True, exist_ok=True)
     (out / "examples").mkdir(exist_ok=True)
     todo = [u for u in units if not (runs / f"{u.key}.json").is_file()]
@@ -193,13 +271,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     shared = {
         "command": command_line(),
         "machine": machine_info(),
-        "config": {
-            "model": info,
-            "decode": asdict(dcfg),
-            "tasks": asdict(tcfg),
-            "analysis": asdict(acfg),
-            "device": str(device),
-        },
+        "config": run_config,
     }
 
     def examples_for(task: str, context: int) -> list[Any]:
@@ -234,7 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 if old != new:
                     raise ValueError(
                         f"{path} holds a different selection ({old[:12]} != {new[:12]}: another "
-                        "stdlib, tokenizer or seed); use a new --out"
+                        "stdlib, tokenizer, seed or --num-examples); use a new --out"
                     )
             path.write_text(json.dumps(sel, indent=1) + "\n")
             examples[(task, context)] = exs

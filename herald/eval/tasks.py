@@ -10,7 +10,8 @@ Two tasks, both deterministic for a seed and a tokenizer:
     ``line_prompt_text``: a prompt ending in a newline would be a token boundary the model never
     saw before an indented line). The cross-file part is truncated from the LEFT so that the
     prompt is ``context`` tokens; the in-file prefix is always kept (capped at ``infile_tokens``
-    tokens, itself truncated from the left when longer). Target lines are single-line statements
+    tokens, itself truncated from the left when longer, after its ``# file:`` header, which is
+    kept). Target lines are single-line statements
     of 10-160 characters that are not comments, docstrings or imports and do not already occur in
     the file above; lines that use a name imported from another file of the package are preferred
     (tier 2), then lines using a name defined at top level in another file (tier 1), then any
@@ -20,12 +21,14 @@ Two tasks, both deterministic for a seed and a tokenizer:
 ``recall`` (long-range identifier recall)
     In one file, an identifier defined (``def``/``class``, a module- or class-level assignment, or
     ``self.<name> = ...``) at least ``min_distance`` tokens before a later use. The prompt ends just
-    before that use (trailing spaces dropped); the identifier must not occur anywhere in the last
-    ``control_tokens`` tokens of the prompt (so the no-context control cannot copy it), must not
-    be a keyword, builtin or common name, and the use must not start a statement or be an
-    assignment target. The definition lies inside the prompt (distance <= context - margin), so
-    the example set depends on ``context``; the rest of the prompt is filled, on the left, with
-    related files (package siblings, or the modules a top-level file imports).
+    before that use (trailing spaces dropped), at a token boundary of the file's text
+    (``ends_at_token_boundary``: not inside a token such as ``._``); the identifier must not
+    occur anywhere in the last ``control_tokens`` tokens of the prompt (so the no-context control
+    cannot copy it), must not be a keyword, builtin or common name, and the use must not start a
+    statement or be an assignment target. The definition lies inside the prompt (distance <=
+    context - margin), so the example set depends on ``context``; the rest of the prompt is
+    filled, on the left, with related files (package siblings, or the modules a top-level file
+    imports).
 
 Every example's ``meta`` records the files (path, sha256), line numbers and choices.
 """
@@ -250,9 +253,16 @@ def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[t
         text = f.lines[row - 1].strip()
         names = {t.string for t in stmt if t.type == tokenize.NAME}
         words = {n for n in names if not keyword.iskeyword(n)}
+        # Tiers look at free names only: in ``self.wait()`` the attribute ``wait`` is not the
+        # ``wait`` another file defines.
+        free = {
+            t.string
+            for i, t in enumerate(stmt)
+            if t.type == tokenize.NAME and not (i and stmt[i - 1].string == ".")
+        }
         ok = 10 <= len(text) <= 160 and not text.startswith("#") and row >= 5 and words
         if ok and first_row[text] == row:  # not a repeat of a line above
-            tier = 2 if words & cross else 1 if words & package else 0
+            tier = 2 if free & cross else 1 if free & package else 0
             out.append((row, tier))
     return out
 
@@ -276,6 +286,11 @@ def _line_prompt(
     text = line_prompt_text(f, row)
     ratio = len(f.chunk()) / max(1, len(corpus.chunk_ids(f.rel)))  # characters per token
     infile, truncated = _encode_tail(codec, text, cap, ratio)
+    header = f"# file: {f.rel}\n"
+    head = codec.encode(header)
+    if truncated and len(head) < cap:  # keep the header: which file the target line is in
+        body, _ = _encode_tail(codec, text[len(header) :], cap - len(head), ratio)
+        infile = head + body
     others = [r for r in corpus.packages[f.package] if r != f.rel]
     ctx, used = _fill_left(corpus, corpus.related_order(f.rel, others), context - len(infile))
     meta = {
@@ -470,6 +485,19 @@ def recall_candidates(
     return out
 
 
+def ends_at_token_boundary(codec: TextCodec, f: SourceFile, row: int, end: int) -> bool:
+    """Whether cutting ``f.text`` at character ``end`` (on line ``row``, 1-based) is a boundary
+    of the tokenizer: the tokens of the text before ``end`` are a prefix of the tokens of the text
+    through the end of that line. A prompt cut inside a token (``self.`` before ``_name``, where
+    ``._`` is one token, or a bare newline before an indented line) is a state the model never
+    saw in training. Checked on a window from the start of the line above (byte-level
+    pre-tokenizers split at whitespace, so earlier text cannot change the boundary)."""
+    start = f.line_offsets[max(0, row - 2)]
+    stop = f.line_offsets[min(row, len(f.line_offsets) - 1)]
+    head = codec.encode(f.text[start:end])
+    return codec.encode(f.text[start:stop])[: len(head)] == head
+
+
 def _recall_prompt(
     corpus: Corpus,
     codec: TextCodec,
@@ -481,6 +509,8 @@ def _recall_prompt(
 ) -> tuple[list[int], dict[str, Any]] | None:
     """The prompt for ``use`` or None if an exact (token-level) constraint fails."""
     prefix = f.text[: use.offset].rstrip(" \t")
+    if not ends_at_token_boundary(codec, f, use.row, len(prefix)):
+        return None
     near = codec.encode(prefix[f.line_offsets[use.def_line - 1] :])  # definition line .. use
     distance = len(near)
     if not cfg.min_distance <= distance <= context - cfg.distance_margin:

@@ -34,6 +34,10 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert main([*ARGS, "--out", str(out), "--no-report"]) == 0  # all done: nothing reruns
     assert "3 already done" in capsys.readouterr().err
     assert main(["eval", "--report", "--out", str(out)]) == 0
+    # Other settings into the same --out: refused (not skipped as "already done").
+    assert main([*ARGS, "--out", str(out), "--threshold", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings" in err and "threshold" in err and "new --out" in err
 
 
 def test_eval_user_errors(tmp_path, capsys):
@@ -44,3 +48,35 @@ def test_eval_user_errors(tmp_path, capsys):
     )
     assert "recall needs contexts" in capsys.readouterr().err
     assert main(["eval", "--report", "--out", str(tmp_path / "none")]) == 2
+
+
+def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
+    bad = [
+        ["--control-tokens", "0"],
+        ["--infile-tokens", "0"],
+        ["--oracle-budget", "0"],
+        ["--analysis-blocks", "0"],
+        ["--selection-threads", "0"],
+        ["--threshold", "2"],
+        ["--steps", "0"],
+        ["--time-limit", "-1"],
+        ["--analysis-examples", "-1"],
+    ]
+    for extra in bad:
+        out = tmp_path / "x"
+        assert main([*ARGS, "--out", str(out), *extra]) == 2, extra
+        assert extra[0] in capsys.readouterr().err, extra
+        assert not out.exists(), extra  # refused before --out was created
+
+
+def test_eval_labels_the_bundled_checkpoint_as_trained():
+    import argparse
+
+    from herald.eval.cli import _model_info
+    from herald.models.loader import load_model
+
+    _, config, _ = load_model("code-sdar", "cpu")
+    info = _model_info(argparse.Namespace(model="code-sdar"), config)
+    assert info["random_weights"] is False and len(info["config_sha256"]) == 64
+    _, config, _ = load_model("tiny-sdar", "cpu")
+    assert _model_info(argparse.Namespace(model="tiny-sdar"), config)["random_weights"] is True

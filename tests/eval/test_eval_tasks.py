@@ -82,7 +82,12 @@ def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, 
         n_in = ex.meta["infile_tokens"]
         assert n_in == min(len(infile), 64)
         assert len(ex.prompt_ids) == 1024  # stdlib packages are far longer than 1K bytes
-        assert bytes(ex.prompt_ids[-n_in:]) == infile[-n_in:]  # the in-file prefix, kept
+        if ex.meta["infile_truncated"]:  # the header, then the tail of the prefix
+            header = f"# file: {f.rel}\n".encode()
+            tail = infile[-(n_in - len(header)) :]
+            assert bytes(ex.prompt_ids[-n_in:]) == header + tail
+        else:
+            assert bytes(ex.prompt_ids[-n_in:]) == infile  # the in-file prefix, kept
         # The rest is the tail of the related files' chunks, most related last.
         files = ex.meta["context_files"]
         chunks = b"".join(corpus.read(c["file"]).chunk().encode() for c in files)
@@ -99,6 +104,13 @@ def test_line_candidates_prefer_cross_file_names(corpus):
     cands = line_candidates(f, {"scanstring"}, set())
     rows = [r for r, tier in cands if tier == 2]
     assert rows and all("scanstring" in f.lines[r - 1] for r in rows)
+    # An attribute of the same name is not a use of the imported name.
+    from herald.eval.sources import SourceFile
+
+    text = "import os\n\n\nclass P:\n    def f(self):\n        self.wait(timeout=1)\n"
+    text += "        return wait(self, timeout=2)\n"
+    g = SourceFile("p.py", text, "0")
+    assert dict(line_candidates(g, {"wait"}, set())) == {5: 0, 6: 0, 7: 2}
 
 
 def test_recall_constraints(corpus, tok, recall_ex):
@@ -134,3 +146,36 @@ def test_recall_rejects_bad_sizes(corpus, tok):
         build_examples("recall", corpus, tok, 1000, 1, TaskConfig())
     with pytest.raises(ValueError, match="unknown task"):
         build_examples("nope", corpus, tok, 1000, 1, TaskConfig())
+
+
+def test_prompts_end_at_token_boundaries_of_the_bpe_tokenizer():
+    """With the trained model's byte-level BPE, a recall prompt ending in ``self.`` before
+    ``_name`` (``._`` is one token) or in a bare newline before an indented line (newline and
+    indentation are one token) ends inside a token: such uses are not eligible."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from herald.eval.sources import SourceFile
+    from herald.eval.tasks import ends_at_token_boundary, line_prompt_text
+    from herald.models.loader import bundled_checkpoint
+
+    bpe = HFTokenizer.from_file(str(bundled_checkpoint("code-sdar") / "tokenizer.json"))
+
+    class Codec:
+        def encode(self, text):
+            return bpe.encode(text).ids
+
+        def decode(self, ids):
+            return bpe.decode(ids)
+
+    text = "class A:\n    def f(self):\n        return self._cache.get(key)\n"
+    f = SourceFile("a.py", text, "0")
+    row = 3
+    use = text.index("_cache")
+    assert not ends_at_token_boundary(Codec(), f, row, use)  # "self." | "_cache": inside "._"
+    call = text.index("get(key)")
+    assert ends_at_token_boundary(Codec(), f, row, call)  # "self._cache." | "get"
+    line3 = f.line_offsets[row - 1]
+    assert not ends_at_token_boundary(Codec(), f, row, line3)  # bare "\n" before 8 spaces
+    # The line task's prompt ends at the last non-blank character above the target: a boundary.
+    assert line_prompt_text(f, row).endswith("def f(self):")
+    assert ends_at_token_boundary(Codec(), f, row, line3 - 1)
