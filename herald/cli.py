@@ -1,8 +1,11 @@
-"""Command line: ``herald generate | serve | init-random``.
+"""Command line: ``herald generate | serve | eval | train | bench throughput | init-random``.
 
-``herald generate`` decodes prompts with the dense engine and prints the completion and stats.
-Without ``--model`` it runs the embedded default model on the CPU. ``herald serve`` runs the
-OpenAI-compatible HTTP server (:mod:`herald.server`).
+``herald generate`` decodes prompts (dense, or an offloading mode: herald, mage, infinigen) and
+prints the completion and stats. Without ``--model`` it runs the embedded default model on the
+CPU. ``herald serve`` runs the OpenAI-compatible HTTP server (:mod:`herald.server`).
+``herald eval`` measures long-context accuracy (:mod:`herald.eval`), ``herald train`` trains the
+small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decode throughput
+(:mod:`herald.bench.throughput`), ``herald init-random`` writes a random-weight checkpoint.
 """
 
 from __future__ import annotations
