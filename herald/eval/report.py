@@ -105,6 +105,10 @@ def _order(label: str) -> tuple[int, float]:
     return rank, float(budget or 0)
 
 
+SMALL_N = 30
+"""Fewer examples than this: the acceptance line says the bootstrap is only a rough check."""
+
+
 def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:
     """The issue's acceptance checks, one markdown bullet each."""
     lines = []
@@ -122,6 +126,7 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 f"- {ctx} tokens, {task} ({m.upper()}): dense {100 * sum(a) / len(a):.1f} vs control {100 * sum(b) / len(b):.1f}: "
                 f"{diff:+.1f} points, 95% paired bootstrap [{100 * lo:+.1f}, {100 * hi:+.1f}] -> {clear}"
                 + (" (acceptance applies at 8K+)" if ctx < 8192 else "")
+                + (f" (only {len(a)} examples: a rough check)" if len(a) < SMALL_N else "")
             )
     for ctx in table["contexts"]:
         rows = table["rows"][str(ctx)]

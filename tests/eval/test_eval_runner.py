@@ -38,3 +38,19 @@ def test_plan_puts_operating_points_first():
         "line_4096_herald_0.05",
     ]
     assert len(keys) == 2 + 2 * 3 and len(set(keys)) == len(keys)
+
+
+def test_acceptance_lines_from_a_committed_run():
+    """The report's acceptance checks on a real run (results/eval/cpu-run3-line: 24 examples at
+    8K, dense 40.8 vs control 34.0): the paired bootstrap says clearly above, and a run this
+    small is flagged as a rough check."""
+    from pathlib import Path
+
+    from herald.eval.report import acceptance, collect, summary_table
+
+    units, _ = collect(Path(__file__).parents[2] / "results" / "eval" / "cpu-run3-line")
+    lines = acceptance(units, summary_table(units))
+    line = next(x for x in lines if "line (ES)" in x)
+    assert "dense 40.8 vs control 34.0" in line and "-> clearly above" in line
+    assert "(only 24 examples: a rough check)" in line
+    assert any("herald: average +0.69 at its operating budget 0.05" in x for x in lines)
