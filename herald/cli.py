@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from herald.config import OffloadConfig, SamplingParams
+from herald.config import OffloadConfig, SamplingParams, resolve_device
 from herald.kv.dense_cache import DEFAULT_KV_PAD, MAX_KV_PAD, check_kv_pad
 
 DEFAULT_MODEL = "code-sdar"
@@ -244,20 +244,6 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown --device {name!r}: use cpu or cuda[:N]") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported --device {name!r}: use cpu or cuda[:N]")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda given but no CUDA GPU is available")
-    return dev
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         text = args.prompt
@@ -392,7 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset, load_model
 
     # Everything that can be checked without the model is checked first.
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     text = _read_prompt(args)
     if args.block_size is not None and not 1 <= args.block_size <= 1024:
         raise ValueError(f"--block-size must be in [1, 1024], got {args.block_size}")
@@ -524,7 +510,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset
     from herald.server.launch import build_app, serve
 
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     check_kv_pad(args.kv_pad, "--kv-pad")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 MAX_TEMPERATURE = 100.0
 """Largest sampling temperature accepted (at 100 the distribution is already nearly uniform)."""
 MIN_TEMPERATURE = 1e-4
@@ -157,3 +159,26 @@ class OffloadConfig:
         cfg = OffloadConfig(**{**presets[mode], **overrides})  # type: ignore[arg-type]
         cfg.validate()
         return cfg
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device a ``--device`` flag names: None = ``cuda`` if a GPU is visible, else ``cpu``.
+
+    Raises:
+        ValueError: not a device, neither cpu nor cuda, or a CUDA device that is not present.
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown --device {name!r}: use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported --device {name!r}: use cpu or cuda[:N]")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} given but no CUDA GPU is available (use cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ValueError(f"--device {name}: only {count} CUDA device(s) are visible")
+    return dev

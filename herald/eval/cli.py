@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from herald.config import resolve_device
 from herald.eval.recall import AnalysisConfig
 from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
 from herald.eval.tasks import TASKS, TaskConfig
@@ -90,15 +91,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     p.set_defaults(handler=cmd_eval)
     return p
-
-
-def _device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda given but no CUDA GPU is available")
-    return dev
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -215,7 +207,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from herald.eval.tasks import build_examples, selection_hash
     from herald.models.loader import load_model
 
-    device = _device(args.device)
+    device = resolve_device(args.device)
     torch.manual_seed(0)
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
     dcfg = DecodeConfig(

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -43,30 +45,43 @@ def _shards(specs: list[WeightSpec], max_bytes: int) -> list[list[WeightSpec]]:
     return shards
 
 
-@torch.no_grad()
-def save_checkpoint(
+def check_replaceable(out: Path) -> None:
+    """The save may replace ``out``: absent, an empty directory, or a directory holding a
+    ``config.json`` (a checkpoint).
+
+    Raises:
+        FileExistsError: otherwise (a file, or a directory of other data).
+    """
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a checkpoint directory; not replacing it")
+    if any(out.iterdir()) and not (out / "config.json").is_file():
+        raise FileExistsError(
+            f"{out} is a non-empty directory without config.json (not a checkpoint); not "
+            "replacing it"
+        )
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    """A new, unused hidden path beside ``out`` (never an existing one: nothing is clobbered)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        cand = out.with_name(f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        if not (cand.exists() or cand.is_symlink()):
+            return cand
+
+
+def _write_checkpoint(
     model: DecoderLM,
     config: ModelConfig,
     tokenizer: Tokenizer,
-    out_dir: str | Path,
+    tmp: Path,
     *,
-    extra_config: dict[str, Any] | None = None,
-    max_shard_bytes: int = 15 * 2**20,
+    extra_config: dict[str, Any] | None,
+    max_shard_bytes: int,
 ) -> int:
-    """Write ``model`` (any dtype/device) as a bf16 HF checkpoint into ``out_dir``.
-
-    The directory is written beside ``out_dir`` and swapped in at the end, so an interrupted save
-    leaves the previous checkpoint intact. ``extra_config`` keys are added to ``config.json``
-    (provenance; :class:`ModelConfig` ignores them).
-
-    Returns:
-        Bytes of the safetensors files.
-    """
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    """Write the checkpoint files into the new directory ``tmp``; returns the safetensors bytes."""
     hf = hf_config_dict(config, torch.bfloat16)
     hf.pop("herald_random_weights", None)
     hf.update(extra_config or {})
@@ -95,15 +110,66 @@ def save_checkpoint(
             "weight_map": weight_map,
         }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+    # safetensors creates its files 0600; give every file the mode Python gave config.json
+    # (0666 less the umask), like any other new file.
+    mode = stat.S_IMODE((tmp / "config.json").stat().st_mode)
+    for f in tmp.iterdir():
+        os.chmod(f, mode)
+    return total
+
+
+@torch.no_grad()
+def save_checkpoint(
+    model: DecoderLM,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    out_dir: str | Path,
+    *,
+    extra_config: dict[str, Any] | None = None,
+    max_shard_bytes: int = 15 * 2**20,
+) -> int:
+    """Write ``model`` (any dtype/device) as a bf16 HF checkpoint into ``out_dir``.
+
+    The directory is written beside ``out_dir`` (under a new hidden name) and swapped in at the
+    end, so an interrupted save leaves the previous checkpoint intact. An existing ``out_dir`` is
+    replaced only when it is empty or a checkpoint (:func:`check_replaceable`); nothing else is
+    deleted. The files get the permissions of ordinary new files (umask). ``extra_config`` keys
+    are added to ``config.json`` (provenance; :class:`ModelConfig` ignores them).
+
+    Raises:
+        FileExistsError: ``out_dir`` is a file, or a non-empty directory without config.json.
+
+    Returns:
+        Bytes of the safetensors files.
+    """
+    out = Path(out_dir)
+    check_replaceable(out)
+    tmp = _sibling(out, "tmp")
+    tmp.mkdir()
+    try:
+        total = _write_checkpoint(
+            model,
+            config,
+            tokenizer,
+            tmp,
+            extra_config=extra_config,
+            max_shard_bytes=max_shard_bytes,
+        )
+        check_replaceable(out)  # again: the save comes at the end of a long run
+        if out.exists():
+            old = _sibling(out, "old")
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return total
 
 

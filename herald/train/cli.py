@@ -10,7 +10,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from herald.train.config import ModelDims, TrainConfig
+from herald.train.config import SHAPE_FLAGS, ModelDims, TrainConfig, flag
+
+_RESUME_NOTE = "; on --resume, must match the checkpoint if given"
 
 
 def register(subparsers: Any) -> None:
@@ -25,7 +27,19 @@ def register(subparsers: Any) -> None:
         "(the standard library is held out). Writes an HF checkpoint, a resume state and a "
         "JSON log.",
     )
-    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="checkpoint directory to write: a new or empty directory, the --resume checkpoint "
+        "(continued in place) or, with --overwrite, an existing checkpoint",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing checkpoint directory at --out (and an existing --state-file); "
+        "a directory without config.json is never replaced",
+    )
     p.add_argument("--state-file", type=Path, default=None, help="default: OUT/../train_state.json")
     p.add_argument("--log-file", type=Path, default=None, help="default: OUT/../train_log.json")
     p.add_argument("--work-dir", type=Path, default=d.work_dir, help="token-stream cache")
@@ -54,14 +68,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--loss-weighting", choices=["mean", "elbo"], default=d.loss_weighting)
     p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"BPE vocabulary of a fresh run (default {d.vocab_size}{_RESUME_NOTE})",
+    )
     p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb)
-    p.add_argument("--hidden-size", type=int, default=m.hidden_size)
-    p.add_argument("--num-layers", type=int, default=m.num_layers)
-    p.add_argument("--num-heads", type=int, default=m.num_heads)
-    p.add_argument("--num-kv-heads", type=int, default=m.num_kv_heads)
-    p.add_argument("--head-dim", type=int, default=m.head_dim)
-    p.add_argument("--intermediate-size", type=int, default=m.intermediate_size)
+    for name in SHAPE_FLAGS:  # default None: --resume tells the given ones from the rest
+        p.add_argument(
+            flag(name),
+            type=int,
+            default=None,
+            help=f"fresh model (default {getattr(m, name)}{_RESUME_NOTE})",
+        )
     p.add_argument("--max-checkpoint-mb", type=float, default=d.max_checkpoint_mb)
     p.add_argument("--max-shard-mb", type=float, default=d.max_shard_mb)
     p.add_argument("--no-compile", action="store_true", help="eager model on CUDA")
@@ -79,14 +99,10 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed ``herald train`` arguments."""
+    """The :class:`TrainConfig` of parsed ``herald train`` arguments (defaults for the model-shape
+    flags not given)."""
     dims = ModelDims(
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size,
+        **{name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None}
     )
     return TrainConfig(
         out_dir=args.out,
@@ -109,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip,
         loss_weighting=args.loss_weighting,
         log_every=args.log_every,
-        vocab_size=args.vocab_size,
+        vocab_size=TrainConfig.vocab_size if args.vocab_size is None else args.vocab_size,
         tokenizer_sample_mb=args.tokenizer_sample_mb,
         dims=dims,
         max_checkpoint_mb=args.max_checkpoint_mb,
@@ -120,15 +136,19 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         stdlib_dirs=args.stdlib_dir,
         workers=args.workers,
         val_windows=args.val_windows,
+        overwrite=args.overwrite,
     )
 
 
+def explicit_shape_flags(args: argparse.Namespace) -> set[str]:
+    """The model-shape fields (``vocab_size`` included) given on the command line."""
+    return {n for n in (*SHAPE_FLAGS, "vocab_size") if getattr(args, n, None) is not None}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run :func:`herald.train.trainer.train`; returns the exit code (0)."""
+    """Run :func:`herald.train.trainer.train` (which checks everything it can before any work);
+    returns the exit code (0)."""
     from herald.train.trainer import train
 
-    cfg = config_from_args(args)
-    if cfg.resume is not None and not cfg.resume.is_dir():
-        raise FileNotFoundError(f"--resume {cfg.resume} is not a directory")
-    train(cfg)
+    train(config_from_args(args), explicit=explicit_shape_flags(args))
     return 0

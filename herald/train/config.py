@@ -13,22 +13,37 @@ help texts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from herald.models.config import SDAR_ARCH, ModelConfig
 from herald.models.registry import weight_specs
 from herald.train.objective import LossWeighting
-from herald.train.tokenizer_train import EOS_ID, MASK_ID, PAD_ID
+from herald.train.tokenizer_train import EOS_ID, MASK_ID, MAX_VOCAB, MIN_VOCAB, PAD_ID
 
 BLOCK_SIZE = 32
 DEFAULT_MAX_CHECKPOINT_MB = 30.0
+RESERVE_S = 20.0
+"""Wall time the training loop keeps for validation and the save (seconds)."""
+
+SHAPE_FLAGS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+)
+"""The :class:`ModelDims` fields that ``herald train`` has flags for (``--hidden-size`` ...); they
+have the same names in :class:`ModelConfig`."""
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Shape of a fresh model (ignored on ``--resume``: the checkpoint's config wins)."""
+    """Shape of a fresh model. On ``--resume`` the checkpoint's config is kept; a value given
+    that differs from it is refused (:func:`herald.train.preflight.check_resume_shape`)."""
 
     hidden_size: int = 384
     num_layers: int = 8
@@ -93,7 +108,8 @@ def check_checkpoint_size(config: ModelConfig, max_mb: float) -> int:
     if nbytes > max_mb * 1e6:
         raise ValueError(
             f"model has {count_params(config) / 1e6:.2f} M parameters = {nbytes / 1e6:.1f} MB in "
-            f"bf16, over the {max_mb:g} MB checkpoint budget; shrink the dims"
+            f"bf16, over the {max_mb:g} MB checkpoint budget (--max-checkpoint-mb); shrink the "
+            "dims"
         )
     return nbytes
 
@@ -168,3 +184,73 @@ class TrainConfig:
     """Processes for the corpus scan (0 = all cores)."""
     val_windows: int = 8
     """Held-out stdlib windows for the final validation loss (0 = skip)."""
+    overwrite: bool = False
+    """Replace an existing checkpoint directory at ``out_dir`` (and an existing state file).
+    Without it, a non-empty ``out_dir`` is refused unless it is the checkpoint being resumed;
+    with it, a non-empty directory without ``config.json`` is still refused."""
+
+
+def flag(name: str) -> str:
+    """The ``herald train`` flag of a :class:`TrainConfig` / :class:`ModelDims` field name."""
+    special = {"out_dir": "--out", "site_dirs": "--site-dir", "stdlib_dirs": "--stdlib-dir"}
+    return special.get(name, "--" + name.replace("_", "-"))
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Check every value of ``cfg`` on its own (no file system, no model): run before any work.
+
+    Raises:
+        ValueError: the first bad value, naming its flag.
+    """
+
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            value = getattr(cfg.dims, name) if name in _DIM_NAMES else getattr(cfg, name)
+            raise ValueError(f"{flag(name)} must be {what}, got {value!r}")
+
+    def finite(x: float) -> bool:
+        return isinstance(x, int | float) and math.isfinite(x)
+
+    need(cfg.seq_len >= 1, "seq_len", "positive")
+    need(cfg.batch_size >= 1, "batch_size", ">= 1")
+    need(finite(cfg.lr) and cfg.lr > 0, "lr", "a positive number")
+    need(finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+    need(cfg.warmup_steps >= 0, "warmup_steps", ">= 0")
+    need(cfg.total_steps is None or cfg.total_steps >= 1, "total_steps", ">= 1")
+    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", ">= 1")
+    need(
+        finite(cfg.max_minutes) and 60.0 * cfg.max_minutes > RESERVE_S,
+        "max_minutes",
+        f"more than {RESERVE_S / 60:.2f} (the last {RESERVE_S:g} s are kept for validation and "
+        "the save)",
+    )
+    need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", ">= 0")
+    need(finite(cfg.beta1) and 0 <= cfg.beta1 < 1, "beta1", "in [0, 1)")
+    need(finite(cfg.beta2) and 0 <= cfg.beta2 < 1, "beta2", "in [0, 1)")
+    need(cfg.grad_clip > 0, "grad_clip", "positive")
+    need(finite(cfg.noise_eps) and 0 < cfg.noise_eps < 1, "noise_eps", "in (0, 1)")
+    need(cfg.loss_weighting in ("mean", "elbo"), "loss_weighting", "'mean' or 'elbo'")
+    need(cfg.log_every >= 1, "log_every", ">= 1")
+    need(MIN_VOCAB <= cfg.vocab_size <= MAX_VOCAB, "vocab_size", f"in [{MIN_VOCAB}, {MAX_VOCAB}]")
+    need(
+        finite(cfg.tokenizer_sample_mb) and cfg.tokenizer_sample_mb > 0,
+        "tokenizer_sample_mb",
+        "positive",
+    )
+    for name in SHAPE_FLAGS:
+        need(getattr(cfg.dims, name) >= 1, name, ">= 1")
+    need(cfg.dims.head_dim % 2 == 0, "head_dim", "even (RoPE rotates pairs of dims)")
+    need(
+        cfg.dims.num_heads % cfg.dims.num_kv_heads == 0,
+        "num_heads",
+        f"a multiple of --num-kv-heads {cfg.dims.num_kv_heads}",
+    )
+    need(
+        finite(cfg.max_checkpoint_mb) and cfg.max_checkpoint_mb > 0, "max_checkpoint_mb", "positive"
+    )
+    need(finite(cfg.max_shard_mb) and cfg.max_shard_mb > 0, "max_shard_mb", "positive")
+    need(cfg.workers >= 0, "workers", ">= 0")
+    need(cfg.val_windows >= 0, "val_windows", ">= 0")
+
+
+_DIM_NAMES = frozenset(f.name for f in fields(ModelDims))

@@ -28,7 +28,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from herald.models.loader import hf_config_dict, load_model
 from herald.models.registry import build_model
 from herald.train.checkpoint import find_resume_state, read_json, save_checkpoint, write_json
 from herald.train.config import (
+    RESERVE_S,
     TrainConfig,
     check_checkpoint_size,
     count_params,
@@ -57,10 +58,10 @@ from herald.train.objective import (
     loss_weights,
     sample_noise,
 )
+from herald.train.preflight import log_path, preflight, state_path
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
-RESERVE_S = 20.0  # wall time kept for validation and the save
 VAL_SEED = 1234
 
 
@@ -295,9 +296,7 @@ class Run:
             if cfg.max_steps is not None and run_step >= cfg.max_steps:
                 break
             if time.monotonic() + 1.5 * per_step + RESERVE_S > self.deadline:
-                if run_step == 0:
-                    self.log("WARNING: no time left for a single step")
-                break
+                break  # (train() refuses to save a run without any step)
             t_step = time.monotonic()
             losses.append(self.train_step(run_step, total))
             run_step += 1
@@ -375,8 +374,7 @@ class Run:
     def save(self, run_summary: dict[str, Any], val_loss: float | None) -> dict[str, Any]:
         cfg = self.cfg
         out = cfg.out_dir
-        state_file = cfg.state_file or out.parent / "train_state.json"
-        log_file = cfg.log_file or out.parent / "train_log.json"
+        state_file, log_file = state_path(cfg), log_path(cfg)
         provenance = {
             "herald_training": {
                 "global_step": self.global_step,
@@ -406,8 +404,9 @@ class Run:
             }
             torch.save(full, cfg.optimizer_file)
         self.timings["save_s"] = time.perf_counter() - t
-        runs = list(self.state.get("runs", []))
-        runs.append({**run_summary, "val_loss_stdlib": val_loss, "resumed_from": str(cfg.resume)})
+        runs = previous_runs(self.state)
+        resumed_from = None if cfg.resume is None else str(cfg.resume)
+        runs.append({**run_summary, "val_loss_stdlib": val_loss, "resumed_from": resumed_from})
         state = {
             "global_step": self.global_step,
             "tokens_seen": self.tokens_seen,
@@ -457,22 +456,46 @@ class Run:
         return log
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def previous_runs(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run history of a resume state. Files written before ``resumed_from`` became JSON null
+    for a fresh run spell it ``"None"``; it is read back as None."""
+    runs = [dict(r) for r in state.get("runs", [])]
+    for r in runs:
+        if r.get("resumed_from") == "None":
+            r["resumed_from"] = None
+    return runs
+
+
+def train(
+    cfg: TrainConfig,
+    log: Callable[[str], None] | None = None,
+    *,
+    explicit: Collection[str] | None = None,
+) -> dict[str, Any]:
     """Run one training run end to end (module docstring); returns the final JSON log.
+
+    Everything that can be checked without data is checked first
+    (:func:`herald.train.preflight.preflight`, ``explicit`` as there), before the corpus scan.
 
     Raises:
         FileNotFoundError: ``--resume`` directory or its files missing.
-        ValueError: bad configuration (sequence length, model over the size budget, no corpus).
-        RuntimeError: non-finite loss, or flex_attention disagreeing with the dense mask.
+        FileExistsError: ``--out`` (or the state file) holds data the save must not replace.
+        ValueError: bad configuration (a value, the device, sequence length, a model-shape value
+            that differs from the resumed checkpoint, model over the size budget, no corpus).
+        RuntimeError: non-finite loss, flex_attention disagreeing with the dense mask, or no step
+            fitting the wall budget (then nothing is saved).
     """
-    if cfg.seq_len < 1 or cfg.batch_size < 1:
-        raise ValueError("--seq-len and --batch-size must be positive")
-    if cfg.loss_weighting not in ("mean", "elbo"):
-        raise ValueError(f"unknown --loss-weighting {cfg.loss_weighting!r}")
+    preflight(cfg, explicit)
     out_log = log or (lambda s: print(s, flush=True))
     run = Run(cfg, out_log)
     run.setup()
     summary = run.loop()
+    if summary["steps"] == 0:
+        raise RuntimeError(
+            f"no training step fitted in --max-minutes {cfg.max_minutes:g} after "
+            f"{time.monotonic() - run.t0:.0f} s of setup; nothing saved ({cfg.out_dir} left as "
+            "it was): raise --max-minutes"
+        )
     t = time.perf_counter()
     val = run.validate()
     run.timings["val_s"] = time.perf_counter() - t
