@@ -287,12 +287,16 @@ def _check_pool_flags(args: argparse.Namespace) -> None:
         raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
 
 
-def _check_offload_dtype(mode: str, dtype: torch.dtype | None) -> None:
+def _model_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """``--dtype``, else bf16 on a GPU or with an offloading ``--mode`` and fp32 for dense on
+    the CPU. Raises ValueError for an offloading mode with a dtype other than bf16."""
+    mode, dtype = args.mode, args.dtype
     if mode != "dense" and dtype is not None and dtype != torch.bfloat16:
         raise ValueError(
             f"--mode {mode} runs bf16 models (the CPU pool and the selection kernel hold bf16), "
             f"got --dtype {str(dtype).removeprefix('torch.')}: give --dtype bf16 or leave it out"
         )
+    return dtype or (torch.bfloat16 if device.type == "cuda" or mode != "dense" else torch.float32)
 
 
 def _pool_error(args: argparse.Namespace, e: ValueError) -> ValueError:
@@ -403,10 +407,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _refuse_offload_flags(args, tuple(_OFFLOAD_FLAGS))
     else:
         offload = _offload_config(args, tuple(_OFFLOAD_FLAGS))
-    _check_offload_dtype(args.mode, args.dtype)
-    dtype = args.dtype or (
-        torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
-    )
+    dtype = _model_dtype(args, device)
     overrides = {}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
@@ -519,10 +520,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _refuse_offload_flags(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))
     else:
         offload = _offload_config(args, ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens"))
-    _check_offload_dtype(args.mode, args.dtype)
-    dtype = args.dtype or (
-        torch.bfloat16 if device.type == "cuda" or args.mode != "dense" else torch.float32
-    )
+    dtype = _model_dtype(args, device)
     try:
         app = build_app(
             args.model,

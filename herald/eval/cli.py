@@ -165,12 +165,12 @@ may differ: parts of one evaluation can run on different machines)."""
 def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
     """Refuse to mix settings in one --out: a finished unit run with other settings would be
     skipped and reported as if this command had run it."""
+    new = json.loads(json.dumps(config))  # as it would be stored (tuples -> lists)
     for u in units:
         path = runs / f"{u.key}.json"
         if not path.is_file():
             continue
         old = json.loads(path.read_text()).get("config", {})
-        new = json.loads(json.dumps(config))  # as it would be stored (tuples -> lists)
         diff = []
         for key in _RESUME_KEYS:
             if key not in old or old[key] == new[key]:

@@ -109,10 +109,15 @@ class SourceFile:
         """Top-level package (``email``), or ``""`` for a top-level module (``argparse.py``)."""
         return self.rel.split("/")[0] if "/" in self.rel else ""
 
+    @property
+    def header(self) -> str:
+        """The ``# file: rel`` line that opens the file in a prompt."""
+        return f"# file: {self.rel}\n"
+
     def chunk(self) -> str:
-        """The file as it appears in a prompt: a ``# file: rel`` header, the text, a blank line."""
+        """The file as it appears in a prompt: its :attr:`header`, the text, a blank line."""
         body = self.text if self.text.endswith("\n") else self.text + "\n"
-        return f"# file: {self.rel}\n{body}\n"
+        return f"{self.header}{body}\n"
 
 
 class Corpus:

@@ -271,7 +271,7 @@ def line_prompt_text(f: SourceFile, row: int) -> str:
     """The in-file prompt text for target line ``row`` (1-based) of ``f``: its ``# file:`` header
     and the lines above the target, with the trailing whitespace (the newline before the target
     and any blank lines) removed."""
-    return (f"# file: {f.rel}\n" + "".join(f.lines[: row - 1])).rstrip()
+    return (f.header + "".join(f.lines[: row - 1])).rstrip()
 
 
 def _line_prompt(
@@ -286,11 +286,11 @@ def _line_prompt(
     text = line_prompt_text(f, row)
     ratio = len(f.chunk()) / max(1, len(corpus.chunk_ids(f.rel)))  # characters per token
     infile, truncated = _encode_tail(codec, text, cap, ratio)
-    header = f"# file: {f.rel}\n"
-    head = codec.encode(header)
-    if truncated and len(head) < cap:  # keep the header: which file the target line is in
-        body, _ = _encode_tail(codec, text[len(header) :], cap - len(head), ratio)
-        infile = head + body
+    if truncated:  # keep the header: which file the target line is in
+        head = codec.encode(f.header)
+        if len(head) < cap:
+            body, _ = _encode_tail(codec, text[len(f.header) :], cap - len(head), ratio)
+            infile = head + body
     others = [r for r in corpus.packages[f.package] if r != f.rel]
     ctx, used = _fill_left(corpus, corpus.related_order(f.rel, others), context - len(infile))
     meta = {
@@ -519,7 +519,7 @@ def _recall_prompt(
     # control_tokens); checked again on the final prompt below.
     if _mentions(codec, near[-cfg.control_tokens :], use.name):
         return None
-    infile, truncated = _encode_tail(codec, f"# file: {f.rel}\n" + prefix, context, ratio)
+    infile, truncated = _encode_tail(codec, f.header + prefix, context, ratio)
     if _mentions(codec, infile[-cfg.control_tokens :], use.name):
         return None
     if f.package:

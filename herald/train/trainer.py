@@ -35,6 +35,7 @@ import numpy as np
 import tokenizers
 import torch
 
+from herald.config import resolve_device
 from herald.models.common import DecoderLM
 from herald.models.config import ModelConfig
 from herald.models.loader import hf_config_dict, load_model
@@ -58,7 +59,7 @@ from herald.train.objective import (
     loss_weights,
     sample_noise,
 )
-from herald.train.preflight import log_path, preflight, state_path
+from herald.train.preflight import check_seq_len, log_path, preflight, state_path
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
@@ -149,7 +150,7 @@ class Run:
             log=self.log,
         )
         self.tokenizer = as_herald_tokenizer(self.data.backend)
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(cfg.device)
         old = self.state.get("data_manifest_sha256")
         if old is not None and old != self.data.manifest["contents_sha256"]:
             self.log("WARNING: the corpus differs from the resumed run's; data order differs")
@@ -165,15 +166,12 @@ class Run:
         cfg, dev = self.cfg, self.device
         if cfg.resume is not None:
             model, config, _ = load_model(cfg.resume, device=dev, dtype=torch.float32)
+            self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
         else:
             config = model_config(cfg.dims, self.data.backend.get_vocab_size())
-            check_checkpoint_size(config, cfg.max_checkpoint_mb)
+            self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
             model = build_model(config, dev, torch.float32, seed=cfg.seed)
-        if cfg.seq_len % config.block_size:
-            raise ValueError(f"--seq-len {cfg.seq_len} is not a multiple of {config.block_size}")
-        if cfg.seq_len > config.max_position_embeddings:
-            raise ValueError(f"--seq-len exceeds max_position_embeddings of {config}")
-        self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
+        check_seq_len(cfg, config)  # preflight checked it; the trained vocabulary changes no size
         self.config: ModelConfig = config
         self.model: DecoderLM = model
         model.requires_grad_(True)
