@@ -12,9 +12,10 @@
 # matplotlib is there). Units run most important first (dense, control, each mode at its
 # operating budget, the Fig. 7/9 analysis, then the other budgets); none starts after TIME_LIMIT
 # seconds, and every finished unit is already on disk, so a part cut short still reports.
-# runs/ and examples/ lie too deep for the device machine's file return, so they also come back
-# packed as $OUT/eval-<part>-raw.tgz: unpack it into the copied part (tar xzf ... -C <part dir>).
-# Merge on the dev machine: copy each $OUT/eval/<part> to results/eval/<part>, then
+# The device machine returns at most 8 files from $OUT, none deeper than $OUT/a/b/file, so the
+# whole part comes back as ONE archive, $OUT/eval-<part>.tgz (the folder itself is removed after
+# packing): unpack it on the dev machine with tar xzf eval-<part>.tgz -C <dest> (gives <dest>/<part>).
+# Merge on the dev machine: unpack each part into results/eval/, then
 #   python -m herald.cli eval --report --out results/eval
 # To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from an untracked
 # results/eval/<part> in the working tree) and rerun the same part: finished units are skipped.
@@ -57,7 +58,8 @@ else
 fi
 rc=$?
 echo "herald eval exit $rc"
-tar czf "$OUT/eval-$PART-raw.tgz" -C "$DEST" runs examples 2>/dev/null
-ls "$DEST" "$DEST/runs" 2>/dev/null | head -60
+ls "$DEST" 2>/dev/null
 [ -f "$DEST/README.md" ] && sed -n '/## Overview/,/## Fig. 7/p' "$DEST/README.md"
+tar czf "$OUT/eval-$PART.tgz" -C "$OUT/eval" "$PART" && rm -rf "$DEST" && rmdir "$OUT/eval" 2>/dev/null
+echo "packed $OUT/eval-$PART.tgz"
 exit $rc

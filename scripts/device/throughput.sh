@@ -11,9 +11,13 @@
 #   scripts/device/throughput.sh report             # README.md from the JSONL (plots need matplotlib)
 #
 # ARGS go to the benchmark, e.g. --models sdar-8b-chat, --offload-cuda-graph, --dry-run.
-# After each call: copy $OUT/throughput/throughput.jsonl over results/throughput/throughput.jsonl
-# (it holds the earlier points plus the new ones) and rebuild README.md and the plots where
-# matplotlib is installed: python -m herald.bench.throughput --report results/throughput
+# The device machine returns at most 8 files from $OUT, so the results folder comes back as ONE
+# archive, $OUT/throughput.tgz (the folder is removed after packing; a call that lost its
+# throughput.jsonl to that limit lost its points). After each call: tar xzf throughput.tgz -C /tmp,
+# copy /tmp/throughput/throughput.jsonl over results/throughput/throughput.jsonl (it holds the
+# earlier points plus the new ones), append the new lines of its throughput.log to the committed
+# one, and rebuild README.md and the plots:
+#   python -m herald.bench.throughput --report results/throughput
 # LIMIT: seconds after which a call starts no new point (default 480, so a call ends < 10 min).
 # SDAR-8B at 32K needs more DRAM than 125 GiB for large batches: on the two-GPU machine
 # (256 GiB) run `CUDA_VISIBLE_DEVICES=0 scripts/device/throughput.sh resume --models sdar-8b-chat`.
@@ -24,7 +28,8 @@ LIMIT=${LIMIT:-480}
 RES=$OUT/throughput
 mkdir -p "$RES"
 cp results/throughput/*.jsonl "$RES/" 2>/dev/null || true
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; free -g; nproc; } \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; free -g; nproc;
+  lscpu | grep -E "^(Model name|Socket|NUMA|Thread|Core)"; } \
     > "$RES/machine_$(date -u +%Y%m%dT%H%M%SZ).txt" 2>&1
 bench() {  # the hard stop stays under the device's 10-minute limit per command
     timeout $((${1} + 90)) python3 -m herald.bench.throughput --time-limit-s "$1" "${@:2}" \
@@ -57,4 +62,9 @@ case "$mode" in
         exit 2
         ;;
 esac
-echo "exit $?; results in $RES (copy throughput.jsonl to results/throughput/)"
+rc=$?
+tar czf "$OUT/throughput.tgz" -C "$(dirname "$RES")" "$(basename "$RES")" && rm -rf "$RES"
+[ -d "$OUT/throughput_smoke" ] && tar czf "$OUT/throughput_smoke.tgz" -C "$OUT" throughput_smoke \
+    && rm -rf "$OUT/throughput_smoke"
+echo "exit $rc; results packed in $OUT/throughput.tgz (see the header for merging them)"
+exit $rc
