@@ -18,6 +18,11 @@
 # earlier points plus the new ones), append the new lines of its throughput.log to the committed
 # one, and rebuild README.md and the plots:
 #   python -m herald.bench.throughput --report results/throughput
+# RESULTS: the committed folder whose points count as done (default results/throughput). A run
+# on another host shape that must not mix with it gets its own, e.g. LLaDA2.0-mini with the
+# two-GPU machine's 256 GiB of DRAM (the CPU pool bounds HERALD's batch on the one-GPU machine):
+#   RESULTS=results/throughput_256g CUDA_VISIBLE_DEVICES=0 scripts/device/throughput.sh resume \
+#       --models llada2-mini --contexts 32768 --modes herald-selected,herald,dense
 # LIMIT: seconds after which a call starts no new point (default 480, so a call ends < 10 min).
 # SDAR-8B at 32K needs more DRAM than 125 GiB for large batches: on the two-GPU machine
 # (256 GiB) run `CUDA_VISIBLE_DEVICES=0 scripts/device/throughput.sh resume --models sdar-8b-chat`.
@@ -27,7 +32,7 @@ OUT=${OUT:-/tmp/out}
 LIMIT=${LIMIT:-480}
 RES=$OUT/throughput
 mkdir -p "$RES"
-cp results/throughput/*.jsonl "$RES/" 2>/dev/null || true
+cp "${RESULTS:-results/throughput}"/*.jsonl "$RES/" 2>/dev/null || true
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; free -g; nproc;
   lscpu | grep -E "^(Model name|Socket|NUMA|Thread|Core)"; } \
     > "$RES/machine_$(date -u +%Y%m%dT%H%M%SZ).txt" 2>&1
