@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from herald.models.common import DecoderLM
 from herald.models.config import LLADA2_ARCH, ModelConfig
+from herald.models.quant import SCALE_SUFFIX, checkpoint_storage, dequantize_rowwise, is_quantized
 from herald.models.registry import (
     build_model,
     default_device,
@@ -102,10 +103,20 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, tuple[Path, tuple[int,
 
 
 def check_tensors(
-    specs: list[WeightSpec], found: dict[str, tuple[Path, tuple[int, ...]]], where: str | Path
+    specs: list[WeightSpec],
+    found: dict[str, tuple[Path, tuple[int, ...]]],
+    where: str | Path,
+    storage: str = "bf16",
 ) -> None:
-    """Raise :class:`CheckpointError` naming every missing / unexpected tensor and wrong shape."""
-    expected = {s.name: s for s in specs}
+    """Raise :class:`CheckpointError` naming every missing / unexpected tensor and wrong shape.
+
+    ``storage="int8"`` (:mod:`herald.models.quant`): every 2-D tensor also has its
+    ``<name>_scale`` of shape [rows]."""
+    expected: dict[str, Any] = {s.name: s for s in specs}
+    if storage == "int8":
+        for s in specs:
+            if is_quantized(s.shape):
+                expected[s.name + SCALE_SUFFIX] = _ScaleSpec((s.shape[0],))
     problems = []
     missing = [n for n in expected if n not in found]
     if missing:
@@ -126,6 +137,13 @@ def check_tensors(
         )
 
 
+class _ScaleSpec:
+    """The expected shape of an int8 tensor's row scales (for :func:`check_tensors`)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
 def _safetensors_device(device: torch.device) -> str:
     if device.type == "cuda" and device.index is None:
         return f"cuda:{torch.cuda.current_device()}"
@@ -143,7 +161,8 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
     """
     specs = model.weight_specs(model.config)
     found = checkpoint_tensors(ckpt_dir)
-    check_tensors(specs, found, ckpt_dir)
+    storage = checkpoint_storage(ckpt_dir)
+    check_tensors(specs, found, ckpt_dir, storage)
     device = _safetensors_device(next(model.parameters()).device)
     by_file: dict[Path, list[WeightSpec]] = {}
     for spec in specs:
@@ -151,7 +170,23 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
     for f, file_specs in by_file.items():
         with safe_open(str(f), framework="pt", device=device) as st:
             for spec in file_specs:
-                get_target(model, spec).copy_(st.get_tensor(spec.name))
+                t = st.get_tensor(spec.name)
+                target = get_target(model, spec)
+                if storage == "int8" and is_quantized(spec.shape):
+                    if t.dtype != torch.int8:
+                        raise CheckpointError(
+                            f"{ckpt_dir}: {spec.name} is {t.dtype}, expected int8 "
+                            "(config.json declares int8 storage)"
+                        )
+                    sname = spec.name + SCALE_SUFFIX
+                    sf = found[sname][0]
+                    if sf == f:
+                        scale = st.get_tensor(sname)
+                    else:  # the writer keeps them together; another writer may not
+                        with safe_open(str(sf), framework="pt", device=device) as ss:
+                            scale = ss.get_tensor(sname)
+                    t = dequantize_rowwise(t, scale, target.dtype)
+                target.copy_(t)
 
 
 def bundled_checkpoint(name: str | Path) -> Path | None:
@@ -213,7 +248,8 @@ def load_model(
     if path.is_dir():
         config = ModelConfig.from_file(path, **config_overrides)
         tokenizer = load_tokenizer(path, config)
-        check_tensors(weight_specs(config), checkpoint_tensors(path), path)
+        storage = checkpoint_storage(path)
+        check_tensors(weight_specs(config), checkpoint_tensors(path), path, storage)
         model = build_model(config, dev, dtype)
         load_weights_(model, path)
         return model, config, tokenizer

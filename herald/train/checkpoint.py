@@ -2,10 +2,10 @@
 
 The checkpoint directory is what ``herald generate --model DIR`` and
 :func:`herald.models.loader.load_model` read: ``config.json`` (``SDARForCausalLM`` with
-``block_size``, ``mask_token_id``, ``eos_token_ids``, ``pad_token_id``), the weights in bf16 under
-the real SDAR tensor names (one ``model.safetensors``, or shards plus
-``model.safetensors.index.json`` when larger than the shard limit), ``tokenizer.json`` and
-``tokenizer_config.json``.
+``block_size``, ``mask_token_id``, ``eos_token_ids``, ``pad_token_id``), the weights in bf16 (or
+int8 with per-row scales, :mod:`herald.models.quant`) under the real SDAR tensor names (one
+``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger than the shard
+limit), ``tokenizer.json`` and ``tokenizer_config.json``.
 
 The resume state is a small JSON file kept *outside* the checkpoint (step, tokens seen, data
 position, the data manifest digest, the history of runs); AdamW's moments go to an optional
@@ -28,15 +28,23 @@ from safetensors.torch import save_file
 from herald.models.common import DecoderLM
 from herald.models.config import ModelConfig
 from herald.models.loader import INDEX_FILE, SINGLE_FILE, hf_config_dict
+from herald.models.quant import (
+    SCALE_SUFFIX,
+    STORAGES,
+    is_quantized,
+    quantization_config,
+    quantize_rowwise,
+    stored_bytes,
+)
 from herald.models.weights import WeightSpec, get_target
 from herald.tokenizer import Tokenizer
 
 
-def _shards(specs: list[WeightSpec], max_bytes: int) -> list[list[WeightSpec]]:
+def _shards(specs: list[WeightSpec], max_bytes: int, storage: str) -> list[list[WeightSpec]]:
     shards: list[list[WeightSpec]] = [[]]
     size = 0
     for spec in specs:
-        nbytes = 2 * spec.numel
+        nbytes = stored_bytes([spec.shape], storage)
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -80,15 +88,19 @@ def _write_checkpoint(
     *,
     extra_config: dict[str, Any] | None,
     max_shard_bytes: int,
+    storage: str,
 ) -> int:
     """Write the checkpoint files into the new directory ``tmp``; returns the safetensors bytes."""
     hf = hf_config_dict(config, torch.bfloat16)
     hf.pop("herald_random_weights", None)
+    hf.pop("quantization_config", None)  # a resumed checkpoint's: this save decides its storage
     hf.update(extra_config or {})
+    if storage == "int8":
+        hf["quantization_config"] = quantization_config()
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tokenizer.save(tmp)
     specs = model.weight_specs(config)
-    shards = _shards(specs, max_shard_bytes)
+    shards = _shards(specs, max_shard_bytes, storage)
     weight_map: dict[str, str] = {}
     total = 0
     for i, shard in enumerate(shards):
@@ -97,16 +109,19 @@ def _write_checkpoint(
             if len(shards) == 1
             else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        tensors = {
-            s.name: get_target(model, s).detach().to("cpu", torch.bfloat16).contiguous()
-            for s in shard
-        }
+        tensors: dict[str, torch.Tensor] = {}
+        for s in shard:
+            w = get_target(model, s).detach()
+            if storage == "int8" and is_quantized(s.shape):
+                tensors[s.name], tensors[s.name + SCALE_SUFFIX] = quantize_rowwise(w)
+            else:
+                tensors[s.name] = w.to("cpu", torch.bfloat16).contiguous()
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         total += (tmp / name).stat().st_size
         weight_map.update((s.name, name) for s in shard)
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": 2 * sum(s.numel for s in specs)},
+            "metadata": {"total_size": stored_bytes([s.shape for s in specs], storage)},
             "weight_map": weight_map,
         }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -127,8 +142,11 @@ def save_checkpoint(
     *,
     extra_config: dict[str, Any] | None = None,
     max_shard_bytes: int = 15 * 2**20,
+    storage: str = "bf16",
 ) -> int:
-    """Write ``model`` (any dtype/device) as a bf16 HF checkpoint into ``out_dir``.
+    """Write ``model`` (any dtype/device) as an HF checkpoint into ``out_dir``: bf16 tensors, or
+    with ``storage="int8"`` int8 2-D tensors with per-row float32 scales and a
+    ``quantization_config`` in config.json (:mod:`herald.models.quant`; the loader dequantizes).
 
     The directory is written beside ``out_dir`` (under a new hidden name) and swapped in at the
     end, so an interrupted save leaves the previous checkpoint intact. An existing ``out_dir`` is
@@ -143,6 +161,8 @@ def save_checkpoint(
         Bytes of the safetensors files.
     """
     out = Path(out_dir)
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     check_replaceable(out)
     tmp = _sibling(out, "tmp")
     tmp.mkdir()
@@ -154,6 +174,7 @@ def save_checkpoint(
             tmp,
             extra_config=extra_config,
             max_shard_bytes=max_shard_bytes,
+            storage=storage,
         )
         check_replaceable(out)  # again: the save comes at the end of a long run
         if out.exists():

@@ -83,6 +83,13 @@ def register(subparsers: Any) -> None:
             help=f"fresh model (default {getattr(m, name)}{_RESUME_NOTE})",
         )
     p.add_argument("--max-checkpoint-mb", type=float, default=d.max_checkpoint_mb)
+    p.add_argument(
+        "--storage",
+        choices=["bf16", "int8"],
+        default=None,
+        help="checkpoint tensors: bf16, or int8 with per-row scales (half the bytes: twice the "
+        "parameters fit --max-checkpoint-mb); default: the resumed checkpoint's, else bf16",
+    )
     p.add_argument("--max-shard-mb", type=float, default=d.max_shard_mb)
     p.add_argument("--no-compile", action="store_true", help="eager model on CUDA")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -129,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tokenizer_sample_mb=args.tokenizer_sample_mb,
         dims=dims,
         max_checkpoint_mb=args.max_checkpoint_mb,
+        storage=args.storage,
         max_shard_mb=args.max_shard_mb,
         compile=not args.no_compile,
         device=args.device,

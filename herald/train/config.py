@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.models.config import SDAR_ARCH, ModelConfig
+from herald.models.quant import STORAGES, checkpoint_storage, stored_bytes
 from herald.models.registry import weight_specs
 from herald.train.objective import LossWeighting
 from herald.train.tokenizer_train import EOS_ID, MASK_ID, MAX_VOCAB, MIN_VOCAB, PAD_ID
@@ -98,20 +99,30 @@ def count_params(config: ModelConfig) -> int:
     return sum(spec.numel for spec in weight_specs(config))
 
 
-def check_checkpoint_size(config: ModelConfig, max_mb: float) -> int:
-    """bf16 checkpoint bytes of ``config``.
+def check_checkpoint_size(config: ModelConfig, max_mb: float, storage: str = "bf16") -> int:
+    """Checkpoint bytes of ``config`` stored as ``storage`` (``bf16``, or ``int8``: see
+    :mod:`herald.models.quant`).
 
     Raises:
-        ValueError: more than ``max_mb`` * 1e6 bytes.
+        ValueError: more than ``max_mb`` * 1e6 bytes, or an unknown ``storage``.
     """
-    nbytes = 2 * count_params(config)
+    nbytes = stored_bytes([spec.shape for spec in weight_specs(config)], storage)
     if nbytes > max_mb * 1e6:
+        hint = "shrink the dims" + ("" if storage == "int8" else " or store it as int8 (--storage)")
         raise ValueError(
             f"model has {count_params(config) / 1e6:.2f} M parameters = {nbytes / 1e6:.1f} MB in "
-            f"bf16, over the {max_mb:g} MB checkpoint budget (--max-checkpoint-mb); shrink the "
-            "dims"
+            f"{storage}, over the {max_mb:g} MB checkpoint budget (--max-checkpoint-mb); {hint}"
         )
     return nbytes
+
+
+def effective_storage(cfg: TrainConfig) -> str:
+    """``cfg.storage``, else the resumed checkpoint's storage, else bf16."""
+    if cfg.storage is not None:
+        return cfg.storage
+    if cfg.resume is not None and Path(cfg.resume).is_dir():
+        return checkpoint_storage(cfg.resume)
+    return "bf16"
 
 
 @dataclass
@@ -169,6 +180,10 @@ class TrainConfig:
     dims: ModelDims = field(default_factory=ModelDims)
     max_checkpoint_mb: float = DEFAULT_MAX_CHECKPOINT_MB
     """Refuse model shapes whose bf16 checkpoint is larger."""
+    storage: str | None = None
+    """Checkpoint tensors: ``bf16``, or ``int8`` (per-row scales, :mod:`herald.models.quant`: about
+    half the bytes, so twice the parameters fit the budget); default: the resumed checkpoint's,
+    else bf16."""
     max_shard_mb: float = 15.0
     """Split model.safetensors into shards of at most this many MiB (device output files are
     capped at 16 MiB each)."""
@@ -231,6 +246,7 @@ def check_values(cfg: TrainConfig) -> None:
     need(finite(cfg.noise_eps) and 0 < cfg.noise_eps < 1, "noise_eps", "in (0, 1)")
     need(cfg.loss_weighting in ("mean", "elbo"), "loss_weighting", "'mean' or 'elbo'")
     need(cfg.log_every >= 1, "log_every", ">= 1")
+    need(cfg.storage is None or cfg.storage in STORAGES, "storage", f"one of {STORAGES}")
     need(MIN_VOCAB <= cfg.vocab_size <= MAX_VOCAB, "vocab_size", f"in [{MIN_VOCAB}, {MAX_VOCAB}]")
     need(
         finite(cfg.tokenizer_sample_mb) and cfg.tokenizer_sample_mb > 0,

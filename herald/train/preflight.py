@@ -22,6 +22,7 @@ from herald.train.config import (
     TrainConfig,
     check_checkpoint_size,
     check_values,
+    effective_storage,
     flag,
     model_config,
 )
@@ -217,7 +218,7 @@ def preflight(cfg: TrainConfig, explicit: Collection[str] | None = None) -> Mode
     else:
         config = model_config(cfg.dims, cfg.vocab_size)
     check_seq_len(cfg, config)
-    check_checkpoint_size(config, cfg.max_checkpoint_mb)
+    check_checkpoint_size(config, cfg.max_checkpoint_mb, effective_storage(cfg))
     if cfg.work_dir.exists() and not cfg.work_dir.is_dir():
         raise NotADirectoryError(f"--work-dir {cfg.work_dir} is not a directory")
     check_out(cfg)

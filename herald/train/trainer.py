@@ -46,6 +46,7 @@ from herald.train.config import (
     TrainConfig,
     check_checkpoint_size,
     count_params,
+    effective_storage,
     model_config,
 )
 from herald.train.data import PreparedData, WindowSampler, prepare_data
@@ -164,13 +165,14 @@ class Run:
 
     def _build_model(self) -> None:
         cfg, dev = self.cfg, self.device
+        resumed: DecoderLM | None = None
         if cfg.resume is not None:
-            model, config, _ = load_model(cfg.resume, device=dev, dtype=torch.float32)
-            self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
+            resumed, config, _ = load_model(cfg.resume, device=dev, dtype=torch.float32)
         else:
             config = model_config(cfg.dims, self.data.backend.get_vocab_size())
-            self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb)
-            model = build_model(config, dev, torch.float32, seed=cfg.seed)
+        self.storage = effective_storage(cfg)
+        self.checkpoint_bytes = check_checkpoint_size(config, cfg.max_checkpoint_mb, self.storage)
+        model = resumed or build_model(config, dev, torch.float32, seed=cfg.seed)
         check_seq_len(cfg, config)  # preflight checked it; the trained vocabulary changes no size
         self.config: ModelConfig = config
         self.model: DecoderLM = model
@@ -188,7 +190,7 @@ class Run:
                 self.log(f"WARNING: {opt_file} is from another step; fresh moments")
         self.log(
             f"model: SDARForCausalLM {count_params(config) / 1e6:.2f} M params "
-            f"({self.checkpoint_bytes / 1e6:.1f} MB bf16), hidden {config.hidden_size}, "
+            f"({self.checkpoint_bytes / 1e6:.1f} MB {self.storage}), hidden {config.hidden_size}, "
             f"{config.num_layers} layers, {config.num_heads}q/{config.num_kv_heads}kv heads x "
             f"{config.head_dim}, vocab {config.vocab_size}, block {config.block_size}; "
             f"{'resumed from ' + str(cfg.resume) if cfg.resume else 'fresh init'}; "
@@ -392,6 +394,7 @@ class Run:
             out,
             extra_config=provenance,
             max_shard_bytes=int(cfg.max_shard_mb * 2**20),
+            storage=self.storage,
         )
         if cfg.optimizer_file is not None:
             cfg.optimizer_file.parent.mkdir(parents=True, exist_ok=True)

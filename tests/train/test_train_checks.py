@@ -347,3 +347,15 @@ def test_previous_runs_reads_old_none_strings() -> None:
     assert previous_runs(state) == [{"resumed_from": None}, {"resumed_from": "ckpt"}, {}]
     assert state["runs"][0]["resumed_from"] == "None"  # not modified in place
     assert previous_runs({}) == []
+
+
+def test_int8_storage_is_kept_on_resume(trained, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert main(trained.argv(ckpt, "--storage", "int8")) == 0
+    qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config")
+    assert qc and qc["quant_method"] == "herald_int8_rowwise"
+    assert main(trained.argv(ckpt, "--resume", str(ckpt))) == 0  # no --storage: stays int8
+    assert "quantization_config" in json.loads((ckpt / "config.json").read_text())
+    assert main(trained.argv(ckpt, "--resume", str(ckpt), "--storage", "bf16")) == 0
+    assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
+    load_model(ckpt, device="cpu", dtype=torch.float32)
