@@ -299,15 +299,16 @@ def fig13(d: Data, out: Path, plots: list[str]) -> list[str]:
             recs, _ = d.sweep(LLADA, ctx, v, 0.05, CAP_H100)
             top = peak(recs)
             tps = top["decode_tokens_per_s"] if top else None
-            base = base if base is not None else tps
+            if v == plan.FIG13_RUNGS[0]:  # the ratio column is against MAGE (GPU selection) only
+                base = tps
             lines.append(
                 f"| {_ctx(ctx)} | {VARIANTS[v].label} | {top['batch'] if top else '-'} | {_f(tps)} "
                 f"| {_f(tps / prev if tps and prev else None, '.2f')} | {_f(tps / base if tps and base else None, '.2f')} "
                 f"| {plan.PAPER_FIG13.get(ctx, {}).get(v, '-')} | {stop_reason(recs, planned_batches(LLADA, ctx, v))} |"
             )
             prev = tps if tps else prev
-            if tps:
-                bars.setdefault(ctx, []).append((VARIANTS[v].label, tps / (base or tps)))
+            if tps and base:  # bars are speed-ups over MAGE (GPU selection): none without it
+                bars.setdefault(ctx, []).append((VARIANTS[v].label, tps / base))
     if tplots.plot_bars(bars, out / "fig13_ablation.png"):
         plots.append("fig13_ablation.png")
         lines += ["", "![Fig. 13 analog](fig13_ablation.png)"]
@@ -520,6 +521,10 @@ def write_report(out: Path) -> Path:
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]
+    else:  # a plot this report no longer draws (its data superseded) must not linger beside it
+        for old in [*out.glob("fig12_*.png"), out / "fig13_ablation.png", out / "fig14_steps.png"]:
+            if old.is_file() and old.name not in plots:
+                old.unlink()
     path = out / "README.md"
     path.write_text("\n".join(lines) + "\n")
     return path

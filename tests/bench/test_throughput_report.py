@@ -96,6 +96,8 @@ def write_fixture(out: Path) -> None:
 
 def test_report_from_fixture(tmp_path, capsys):
     write_fixture(tmp_path)
+    stale = tmp_path / "fig12_retired-model_cap80.png"  # a plot the data no longer gives
+    stale.write_bytes(b"old")
     assert throughput.main(["--report", str(tmp_path)]) == 0
     md = (tmp_path / "README.md").read_text()
     # Table II: peaks, ratios against Dense, the paper's numbers, why each sweep ended
@@ -127,6 +129,7 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "Every measured point" in md and "skipping a malformed line" in capsys.readouterr().out
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib missing: plots not checked")
+    assert not stale.exists()
     for name in ("fig12_llada2-mini_cap80.png", "fig12_sdar-8b-chat_cap80.png",
                  "fig13_ablation.png", "fig14_steps.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 1000, name
