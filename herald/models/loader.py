@@ -25,7 +25,13 @@ from safetensors.torch import save_file
 
 from herald.models.common import DecoderLM
 from herald.models.config import LLADA2_ARCH, ModelConfig
-from herald.models.quant import SCALE_SUFFIX, checkpoint_storage, dequantize_rowwise, is_quantized
+from herald.models.quant import (
+    SCALE_SUFFIX,
+    check_scale,
+    checkpoint_storage,
+    dequantize_rowwise,
+    is_quantized,
+)
 from herald.models.registry import (
     build_model,
     default_device,
@@ -123,7 +129,12 @@ def check_tensors(
         problems.append(f"missing {len(missing)} tensor(s): {_list(missing)}")
     unexpected = sorted(n for n in found if n not in expected and not n.endswith(IGNORED_SUFFIXES))
     if unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensor(s): {_list(unexpected)}")
+        hint = (
+            " (int8 row scales, but config.json declares no int8 quantization_config)"
+            if storage != "int8" and any(n.endswith(SCALE_SUFFIX) for n in unexpected)
+            else ""
+        )
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {_list(unexpected)}{hint}")
     wrong = [
         f"{n}: expected {list(s.shape)}, found {list(found[n][1])}"
         for n, s in expected.items()
@@ -185,7 +196,20 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
                     else:  # the writer keeps them together; another writer may not
                         with safe_open(str(sf), framework="pt", device=device) as ss:
                             scale = ss.get_tensor(sname)
+                    try:
+                        check_scale(sname, scale)
+                    except ValueError as e:
+                        raise CheckpointError(f"{ckpt_dir}: {e}") from None
                     t = dequantize_rowwise(t, scale, target.dtype)
+                elif not t.dtype.is_floating_point:
+                    hint = (
+                        "" if storage == "int8" else
+                        " (an int8 checkpoint needs its quantization_config in config.json)"
+                    )  # fmt: skip
+                    raise CheckpointError(
+                        f"{ckpt_dir}: {spec.name} is {t.dtype}, expected a floating-point "
+                        f"tensor{hint}"
+                    )
                 target.copy_(t)
 
 

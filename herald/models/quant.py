@@ -44,15 +44,28 @@ def checkpoint_storage(ckpt_dir: str | Path) -> str:
 
     cfg = Path(ckpt_dir) / "config.json"
     q = json.loads(cfg.read_text()).get("quantization_config") if cfg.is_file() else None
-    if not q:
+    if q is None:
         return "bf16"
-    method = q.get("quant_method") if isinstance(q, dict) else None
+    if not isinstance(q, dict):
+        raise ConfigError(f"{cfg}: quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
     if method != QUANT_METHOD:
         raise ConfigError(
             f"{cfg}: quantization_config.quant_method {method!r} is not supported (herald reads "
             f"unquantized checkpoints and its own {QUANT_METHOD!r})"
         )
+    if q.get("bits", 8) != 8:
+        raise ConfigError(f"{cfg}: {QUANT_METHOD} stores 8 bits, config says {q.get('bits')!r}")
     return "int8"
+
+
+def check_scale(name: str, scale: torch.Tensor) -> None:
+    """Raise ValueError unless ``scale`` is float32 with finite, positive entries (as written by
+    :func:`quantize_rowwise`): a wrong scale would load wrong weights without a sound."""
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name} is {scale.dtype}, expected float32")
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise ValueError(f"{name} has non-finite or non-positive entries")
 
 
 def is_quantized(shape: tuple[int, ...]) -> bool:

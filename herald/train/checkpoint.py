@@ -118,7 +118,7 @@ def _write_checkpoint(
                 tensors[s.name] = w.to("cpu", torch.bfloat16).contiguous()
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         total += (tmp / name).stat().st_size
-        weight_map.update((s.name, name) for s in shard)
+        weight_map.update((t, name) for t in tensors)  # the int8 row scales too
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": stored_bytes([s.shape for s in specs], storage)},

@@ -82,7 +82,13 @@ def register(subparsers: Any) -> None:
             default=None,
             help=f"fresh model (default {getattr(m, name)}{_RESUME_NOTE})",
         )
-    p.add_argument("--max-checkpoint-mb", type=float, default=d.max_checkpoint_mb)
+    p.add_argument(
+        "--max-checkpoint-mb",
+        type=float,
+        default=d.max_checkpoint_mb,
+        help="refuse shapes whose checkpoint tensors, in --storage, exceed this (MB; the "
+        "tokenizer adds ~0.5 MB)",
+    )
     p.add_argument(
         "--storage",
         choices=["bf16", "int8"],

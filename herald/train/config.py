@@ -99,16 +99,23 @@ def count_params(config: ModelConfig) -> int:
     return sum(spec.numel for spec in weight_specs(config))
 
 
-def check_checkpoint_size(config: ModelConfig, max_mb: float, storage: str = "bf16") -> int:
-    """Checkpoint bytes of ``config`` stored as ``storage`` (``bf16``, or ``int8``: see
-    :mod:`herald.models.quant`).
+def check_checkpoint_size(
+    config: ModelConfig, max_mb: float, storage: str = "bf16", *, resumed: bool = False
+) -> int:
+    """Tensor bytes of the checkpoint of ``config`` stored as ``storage`` (``bf16``, or ``int8``:
+    see :mod:`herald.models.quant`); the tokenizer files (~0.5 MB) come on top.
 
     Raises:
         ValueError: more than ``max_mb`` * 1e6 bytes, or an unknown ``storage``.
     """
     nbytes = stored_bytes([spec.shape for spec in weight_specs(config)], storage)
     if nbytes > max_mb * 1e6:
-        hint = "shrink the dims" + ("" if storage == "int8" else " or store it as int8 (--storage)")
+        if resumed:  # the shape is the checkpoint's
+            hint = "keep the checkpoint's storage (drop --storage)" if storage == "bf16" else ""
+            hint = hint or "raise --max-checkpoint-mb"
+        else:
+            hint = "shrink the dims"
+            hint += "" if storage == "int8" else " or store it as int8 (--storage)"
         raise ValueError(
             f"model has {count_params(config) / 1e6:.2f} M parameters = {nbytes / 1e6:.1f} MB in "
             f"{storage}, over the {max_mb:g} MB checkpoint budget (--max-checkpoint-mb); {hint}"
@@ -179,7 +186,7 @@ class TrainConfig:
     """MB of documents the BPE is trained on (seeded sample)."""
     dims: ModelDims = field(default_factory=ModelDims)
     max_checkpoint_mb: float = DEFAULT_MAX_CHECKPOINT_MB
-    """Refuse model shapes whose bf16 checkpoint is larger."""
+    """Refuse model shapes whose checkpoint tensors, in the run's storage, are larger (MB)."""
     storage: str | None = None
     """Checkpoint tensors: ``bf16``, or ``int8`` (per-row scales, :mod:`herald.models.quant`: about
     half the bytes, so twice the parameters fit the budget); default: the resumed checkpoint's,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from herald.config import resolve_device
 from herald.models.config import ConfigError, ModelConfig
+from herald.models.quant import checkpoint_storage
 from herald.train.checkpoint import find_resume_state, read_json
 from herald.train.config import (
     SHAPE_FLAGS,
@@ -55,6 +56,7 @@ def resumed_config(cfg: TrainConfig) -> ModelConfig | None:
         raise FileNotFoundError(f"--resume {resume} has no tokenizer.json")
     try:
         config = ModelConfig.from_file(resume)
+        checkpoint_storage(resume)  # an unsupported quantization is refused here, not at load
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--resume: {e}") from None
     except ConfigError as e:
@@ -218,7 +220,9 @@ def preflight(cfg: TrainConfig, explicit: Collection[str] | None = None) -> Mode
     else:
         config = model_config(cfg.dims, cfg.vocab_size)
     check_seq_len(cfg, config)
-    check_checkpoint_size(config, cfg.max_checkpoint_mb, effective_storage(cfg))
+    check_checkpoint_size(
+        config, cfg.max_checkpoint_mb, effective_storage(cfg), resumed=resumed is not None
+    )
     if cfg.work_dir.exists() and not cfg.work_dir.is_dir():
         raise NotADirectoryError(f"--work-dir {cfg.work_dir} is not a directory")
     check_out(cfg)

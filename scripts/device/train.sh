@@ -16,9 +16,9 @@
 # A resumed run keeps the tokenizer and the data order, re-warms fresh AdamW moments (they are
 # too big to bring back) and may change SEQ_LEN (e.g. SEQ_LEN=16384 BATCH=2 for 16K contexts).
 # A twice larger model under the same 30 MB budget: int8 storage with per-row scales
-# (herald.models.quant; ~29.6M parameters, 29.8 MB), e.g. a fresh run of
-#   EXTRA="--storage int8 --hidden-size 512 --num-heads 8 --num-layers 9 --intermediate-size 1408" bash scripts/device/train.sh
-# (resumed runs keep the checkpoint's storage; its shards are then ~15 MB in all).
+# (herald.models.quant; 28.7M parameters, 28.9 MB of tensors + 0.5 MB tokenizer), a fresh run of
+#   EXTRA="--storage int8 --hidden-size 512 --num-heads 8 --num-layers 9 --intermediate-size 1344" bash scripts/device/train.sh
+# (two ~15 MB shards; a resumed run keeps the checkpoint's storage).
 #
 # Env: RESUME, MAX_MINUTES (7.8), SEQ_LEN (8192), BATCH (4), LR (1e-3), WARMUP (100), SEED (0),
 #      LOG_EVERY (50 steps per progress line),

@@ -99,3 +99,69 @@ def test_checkpoint_budget_counts_the_storage() -> None:
     assert check_checkpoint_size(config, 30.0, "int8") <= 30e6
     with pytest.raises(ValueError):
         stored_bytes([(2, 2)], "fp4")
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda s: s.to(torch.bfloat16), "expected float32"),
+        (lambda s: s.to(torch.int64), "expected float32"),
+        (lambda s: torch.where(torch.arange(len(s)) == 0, float("nan"), s), "non-finite"),
+        (lambda s: -s, "non-positive"),
+    ],
+)
+def test_a_bad_scale_is_refused_not_loaded(tmp_path, edit, match) -> None:
+    _save_both(tmp_path)
+    (f,) = sorted((tmp_path / "int8").glob("*.safetensors"))
+    tensors = load_file(str(f))
+    name = next(n for n in tensors if n.endswith("_scale"))
+    tensors[name] = edit(tensors[name]).contiguous()
+    save_file(tensors, str(f))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(tmp_path / "int8", device="cpu")
+
+
+def test_integer_tensors_need_the_int8_declaration(tmp_path) -> None:
+    _save_both(tmp_path)
+    ckpt = tmp_path / "int8"
+    (f,) = sorted(ckpt.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    # int8 weights without their scales and without the config entry: refused, not raw integers
+    save_file({n: t for n, t in tensors.items() if not n.endswith("_scale")}, str(f))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="needs its quantization_config"):
+        load_model(ckpt, device="cpu")
+    # a 1-D (norm) weight stored as int8 inside a declared int8 checkpoint
+    tensors = {n: t for n, t in tensors.items()}
+    norm = next(n for n, t in tensors.items() if t.dim() == 1 and not n.endswith("_scale"))
+    tensors[norm] = tensors[norm].to(torch.int8)
+    save_file(tensors, str(f))
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(CheckpointError, match="expected a floating-point"):
+        load_model(ckpt, device="cpu")
+    # scales present but undeclared: the message says what they are
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="declares no int8 quantization_config"):
+        load_model(ckpt, device="cpu")
+    for bad, match in (("int8", "must be an object"), ({**qc, "bits": 4}, "stores 8 bits")):
+        (ckpt / "config.json").write_text(json.dumps({**cfg, "quantization_config": bad}))
+        with pytest.raises(ConfigError, match=match):
+            load_model(ckpt, device="cpu")
+
+
+def test_sharded_int8_index_lists_the_scales(tmp_path) -> None:
+    model, config, tok = load_model("tiny-sdar", device="cpu", dtype=torch.float32)
+    save_checkpoint(model, config, tok, tmp_path / "c", storage="int8", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())
+    names = set()
+    for f in sorted((tmp_path / "c").glob("*.safetensors")):
+        names |= set(load_file(str(f)))
+    assert set(index["weight_map"]) == names and any(n.endswith("_scale") for n in names)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size()
+        for f in (tmp_path / "c").glob("*.safetensors")
+        for t in load_file(str(f)).values()
+    )
+    load_model(tmp_path / "c", device="cpu")

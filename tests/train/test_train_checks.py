@@ -359,3 +359,28 @@ def test_int8_storage_is_kept_on_resume(trained, tmp_path) -> None:
     assert main(trained.argv(ckpt, "--resume", str(ckpt), "--storage", "bf16")) == 0
     assert "quantization_config" not in json.loads((ckpt / "config.json").read_text())
     load_model(ckpt, device="cpu", dtype=torch.float32)
+
+
+def test_resume_refuses_an_unsupported_quantization_up_front(
+    trained, tmp_path, scans, capsys
+) -> None:
+    run = trained.copy_run(tmp_path / "run")
+    cfg = json.loads((run / "ckpt" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq"}
+    (run / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    argv = trained.argv(tmp_path / "out", "--resume", str(run / "ckpt"), "--storage", "bf16")
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert "--resume:" in err, err
+    assert "'gptq' is not supported" in err
+    assert scans == []  # refused before the corpus scan
+
+
+def test_resumed_budget_hint_names_the_storage() -> None:
+    from herald.train.config import check_checkpoint_size, model_config
+
+    config = model_config(ModelDims(hidden_size=512, num_layers=9, intermediate_size=1344), 8192)
+    with pytest.raises(ValueError, match="drop --storage"):
+        check_checkpoint_size(config, 30.0, "bf16", resumed=True)
+    with pytest.raises(ValueError, match="shrink the dims or store it as int8"):
+        check_checkpoint_size(config, 30.0, "bf16")
