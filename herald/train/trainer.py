@@ -39,6 +39,7 @@ from herald.config import resolve_device
 from herald.models.common import DecoderLM
 from herald.models.config import ModelConfig
 from herald.models.loader import hf_config_dict, load_model
+from herald.models.quant import dequantize_rowwise, quantize_rowwise
 from herald.models.registry import build_model
 from herald.train.checkpoint import find_resume_state, read_json, save_checkpoint, write_json
 from herald.train.config import (
@@ -371,7 +372,30 @@ class Run:
             n += 1
         return total / n
 
-    def save(self, run_summary: dict[str, Any], val_loss: float | None) -> dict[str, Any]:
+    def validate_stored(self) -> float | None:
+        """:meth:`validate` with the weights as an int8 checkpoint stores them (each 2-D or
+        stacked weight through the per-row int8 round trip), then the float weights back; None
+        for bf16 storage. The loss users of the saved checkpoint get."""
+        if self.storage != "int8":
+            return None
+        saved = []
+        with torch.no_grad():
+            for p in self.model.parameters():  # a tied embedding is yielded once
+                if p.dim() >= 2:
+                    saved.append((p, p.detach().clone()))
+                    rows = p.detach().reshape(-1, p.shape[-1])
+                    q, scale = quantize_rowwise(rows)
+                    p.copy_(dequantize_rowwise(q, scale, p.dtype).reshape(p.shape).to(p.device))
+        try:
+            return self.validate()
+        finally:
+            with torch.no_grad():
+                for p, w in saved:
+                    p.copy_(w)
+
+    def save(
+        self, run_summary: dict[str, Any], val_loss: float | None, val_stored: float | None = None
+    ) -> dict[str, Any]:
         cfg = self.cfg
         out = cfg.out_dir
         state_file, log_file = state_path(cfg), log_path(cfg)
@@ -383,6 +407,7 @@ class Run:
                 "seq_len": cfg.seq_len,
                 "loss_weighting": cfg.loss_weighting,
                 "val_loss_stdlib": val_loss,
+                **({"val_loss_stdlib_int8": val_stored} if val_stored is not None else {}),
                 "recipe": "herald.train (issue 6): site-packages .py, stdlib held out",
             }
         }
@@ -407,7 +432,10 @@ class Run:
         self.timings["save_s"] = time.perf_counter() - t
         runs = previous_runs(self.state)
         resumed_from = None if cfg.resume is None else str(cfg.resume)
-        runs.append({**run_summary, "val_loss_stdlib": val_loss, "resumed_from": resumed_from})
+        stored = {} if val_stored is None else {"val_loss_stdlib_int8": val_stored}
+        runs.append(
+            {**run_summary, "val_loss_stdlib": val_loss, **stored, "resumed_from": resumed_from}
+        )
         state = {
             "global_step": self.global_step,
             "tokens_seen": self.tokens_seen,
@@ -440,7 +468,7 @@ class Run:
             },
             "tokenizer_sha256": tok_sha,
             "stream_tokens": int(self.data.stream.size),
-            "run": {**run_summary, "val_loss_stdlib": val_loss},
+            "run": {**run_summary, "val_loss_stdlib": val_loss, **stored},
             "global_step": self.global_step,
             "tokens_seen": self.tokens_seen,
             "epoch": self.sampler.epoch,
@@ -453,6 +481,7 @@ class Run:
             f"global step {self.global_step}, {self.tokens_seen / 1e6:.1f} M tokens, "
             f"final loss {run_summary['final_loss']:.4f}, stdlib val loss "
             + (f"{val_loss:.4f}" if val_loss is not None else "n/a")
+            + (f" ({val_stored:.4f} with the int8 weights saved)" if val_stored is not None else "")
         )
         return log
 
@@ -499,5 +528,6 @@ def train(
         )
     t = time.perf_counter()
     val = run.validate()
+    val_stored = run.validate_stored()
     run.timings["val_s"] = time.perf_counter() - t
-    return run.save(summary, val)
+    return run.save(summary, val, val_stored)

@@ -352,8 +352,14 @@ def test_previous_runs_reads_old_none_strings() -> None:
 def test_int8_storage_is_kept_on_resume(trained, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     assert main(trained.argv(ckpt, "--storage", "int8")) == 0
-    qc = json.loads((ckpt / "config.json").read_text()).get("quantization_config")
+    hf = json.loads((ckpt / "config.json").read_text())
+    qc = hf.get("quantization_config")
     assert qc and qc["quant_method"] == "herald_int8_rowwise"
+    # the held-out loss is measured for the weights as saved too, close to the float one
+    prov = hf["herald_training"]
+    assert abs(prov["val_loss_stdlib_int8"] - prov["val_loss_stdlib"]) < 0.05
+    state = json.loads((tmp_path / "train_state.json").read_text())
+    assert state["runs"][-1]["val_loss_stdlib_int8"] == prov["val_loss_stdlib_int8"]
     assert main(trained.argv(ckpt, "--resume", str(ckpt))) == 0  # no --storage: stays int8
     assert "quantization_config" in json.loads((ckpt / "config.json").read_text())
     assert main(trained.argv(ckpt, "--resume", str(ckpt), "--storage", "bf16")) == 0
