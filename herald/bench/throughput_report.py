@@ -515,6 +515,12 @@ def write_report(out: Path) -> Path:
         "`throughput.jsonl` (one line per measured point, per run and per machine probe).",
         "",
     ]
+    if (out / "superseded").is_dir():
+        lines += [
+            "Points measured before a fix that changed them are kept in `superseded/` (its README "
+            "says which and why) and left out of every table here until measured again.",
+            "",
+        ]
     lines += targets(d) + [""]
     lines += ["## Table II analog: peak decode throughput and its batch", ""]
     for cap in (CAP_H100, None):
