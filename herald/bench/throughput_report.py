@@ -71,6 +71,9 @@ class Data:
         for p in pts:  # later records win
             self.sweeps[plan.record_sweep_key(p)][p["batch"]] = p
         self.points = [p for s in self.sweeps.values() for p in s.values()]
+        self.host = {r["run_id"]: _host(r) for r in self.runs}  # run -> (cores, DRAM GiB)
+        common = Counter(self.host.get(p["run_id"]) for p in self.points).most_common(1)
+        self.common_host = common[0][0] if common else None
         pcie = [m["pcie"]["h2d_gbs"] for m in self.machines.values() if m.get("pcie")]
         dram = [m["dram"]["reference_gbs"] for m in self.machines.values() if m.get("dram")]
         self.pcie = statistics.median(pcie) if pcie else None
@@ -103,12 +106,8 @@ class Data:
     def machine_note(self, rec: dict[str, Any] | None) -> str:
         """A note such as " (on 32 cores, 251.8 GiB)" when ``rec`` ran on another host shape (cores, DRAM) than
         most points did (e.g. SDAR-8B on the two-GPU machine for its DRAM); else ""."""
-        if rec is None:
-            return ""
-        shapes = {r["run_id"]: _host(r) for r in self.runs}
-        common = Counter(shapes.get(p["run_id"]) for p in self.points).most_common(1)
-        mine = shapes.get(rec["run_id"])
-        if mine is None or not common or mine == common[0][0]:
+        mine = None if rec is None else self.host.get(rec["run_id"])
+        if mine is None or mine == self.common_host:
             return ""
         return f" (on {mine[0]} cores, {mine[1]} GiB)"
 
@@ -194,7 +193,7 @@ def provenance(d: Data) -> list[str]:
     settings = {
         tuple(sorted(r.get("settings", {}).items())) for r in d.runs if count.get(r["run_id"])
     }
-    for s in settings:
+    for s in sorted(settings, key=str):  # a stable order: the README is rebuilt, not edited
         lines.append("")
         lines.append("Settings: " + ", ".join(f"{k} = {v}" for k, v in s))
     return lines

@@ -118,11 +118,11 @@ def check_tensors(
 
     ``storage="int8"`` (:mod:`herald.models.quant`): every 2-D tensor also has its
     ``<name>_scale`` of shape [rows]."""
-    expected: dict[str, Any] = {s.name: s for s in specs}
+    expected = {s.name: s.shape for s in specs}
     if storage == "int8":
         for s in specs:
             if is_quantized(s.shape):
-                expected[s.name + SCALE_SUFFIX] = _ScaleSpec((s.shape[0],))
+                expected[s.name + SCALE_SUFFIX] = (s.shape[0],)
     problems = []
     missing = [n for n in expected if n not in found]
     if missing:
@@ -136,9 +136,9 @@ def check_tensors(
         )
         problems.append(f"unexpected {len(unexpected)} tensor(s): {_list(unexpected)}{hint}")
     wrong = [
-        f"{n}: expected {list(s.shape)}, found {list(found[n][1])}"
-        for n, s in expected.items()
-        if n in found and found[n][1] != s.shape
+        f"{n}: expected {list(shape)}, found {list(found[n][1])}"
+        for n, shape in expected.items()
+        if n in found and found[n][1] != shape
     ]
     if wrong:
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_list(wrong)}")
@@ -146,13 +146,6 @@ def check_tensors(
         raise CheckpointError(
             f"checkpoint {where} does not match the architecture: " + "; ".join(problems)
         )
-
-
-class _ScaleSpec:
-    """The expected shape of an int8 tensor's row scales (for :func:`check_tensors`)."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.shape = shape
 
 
 def _safetensors_device(device: torch.device) -> str:

@@ -11,6 +11,8 @@ Per-row int8 keeps each weight within half a step (``max |row| / 254``) of its t
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,6 @@ def checkpoint_storage(ckpt_dir: str | Path) -> str:
     Raises:
         ConfigError: config.json names another quantization method (not supported here).
     """
-    import json
-
     cfg = Path(ckpt_dir) / "config.json"
     q = json.loads(cfg.read_text()).get("quantization_config") if cfg.is_file() else None
     if q is None:
@@ -102,9 +102,7 @@ def stored_bytes(shapes: list[tuple[int, ...]], storage: str) -> int:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     total = 0
     for shape in shapes:
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if storage == "int8" and is_quantized(shape):
             total += numel + 4 * shape[0]
         else:

@@ -399,6 +399,7 @@ class Run:
         cfg = self.cfg
         out = cfg.out_dir
         state_file, log_file = state_path(cfg), log_path(cfg)
+        stored = {} if val_stored is None else {"val_loss_stdlib_int8": val_stored}
         provenance = {
             "herald_training": {
                 "global_step": self.global_step,
@@ -407,7 +408,7 @@ class Run:
                 "seq_len": cfg.seq_len,
                 "loss_weighting": cfg.loss_weighting,
                 "val_loss_stdlib": val_loss,
-                **({"val_loss_stdlib_int8": val_stored} if val_stored is not None else {}),
+                **stored,
                 "recipe": "herald.train (issue 6): site-packages .py, stdlib held out",
             }
         }
@@ -432,7 +433,6 @@ class Run:
         self.timings["save_s"] = time.perf_counter() - t
         runs = previous_runs(self.state)
         resumed_from = None if cfg.resume is None else str(cfg.resume)
-        stored = {} if val_stored is None else {"val_loss_stdlib_int8": val_stored}
         runs.append(
             {**run_summary, "val_loss_stdlib": val_loss, **stored, "resumed_from": resumed_from}
         )
