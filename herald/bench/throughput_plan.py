@@ -113,7 +113,7 @@ BATCHES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {
     },
     (LLADA, K32): {
         "dense": (8, 16, 24, 32, 40, 48, 64, 80),
-        "herald": (16, 32, 48, 64, 80, 96, 128, 160),
+        "herald": (16, 32, 48, 64, 80, 96, 112, 128, 160),
         "mage": (16, 32, 56),
         "infinigen": (16, 32, 48),
     },
