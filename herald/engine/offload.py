@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,10 @@ from herald.kv.selection import default_num_threads, gather_selected, select_top
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
+
+MAGE_FETCH_AHEAD = 4
+"""Requests whose full-KV copies MAGE's step 0 keeps in flight ahead of the attention reading
+them (device memory: this many requests' K/V of one layer)."""
 
 
 @dataclass
@@ -290,6 +295,7 @@ class OffloadEngine:
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
         self._random_pages: torch.Tensor | None = None
         self._stagings: dict[str, PinnedStaging] = {}
+        self._copy_stream: torch.cuda.Stream | None = None
         self._eager_keys: set[tuple[int, int]] = set()
         # Last: the pinned registrations and the worker thread, so that nothing above (a GPU
         # allocation running out of memory) can leave a thread or pinned memory behind.
@@ -797,34 +803,51 @@ class OffloadEngine:
             st = self._stagings[name] = PinnedStaging(numel, self.cpu_pool.dtype, self.cuda)
         return st
 
-    def _full_rows(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request i's committed K/V of ``layer`` from the CPU pool: [Hkv, start, D] each.
+    def _fetch_full(self, layer: int, i: int, start: int) -> tuple[torch.Tensor, Any]:
+        """Start copying request i's committed K/V pages of ``layer`` to the device.
 
-        The rows are gathered into pinned staging (two buffers, alternating by request) by the
-        native multi-threaded gather (every position selected, in order: the output is already
-        row-major per head) and copied to the device asynchronously at full PCIe speed. NOTE: a
-        ``torch.index_select`` of the pages runs on one core (~10 GB/s); with it MAGE's per-block
-        full fetch was bound by that copy, not by PCIe, a handicap the baseline must not have."""
+        Returns ``(pages, ready)``: ``pages`` ``[2, ceil(start / B), Hkv, B, D]`` in the pool's
+        dtype and ``ready`` a CUDA event to wait on before reading it (None on CPU). On CUDA the
+        copies are DMAs straight from the pinned pool, one per run of consecutive pages
+        (:meth:`CpuKVPool.copy_pages`), queued on a copy stream so that they overlap the
+        attention of earlier requests. NOTE: an earlier version gathered the rows on the CPU
+        into pinned staging first: that bound MAGE's per-block full fetch to 4-9 GB/s instead of
+        PCIe speed, a handicap the baseline must not have."""
         pl = layer - self.num_dense
-        kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
-        hkv, d = kp.shape[1], kp.shape[3]
-        ids = self.cpu_pool.pages(self.batch.requests[i].request_id)[: -(-start // kp.shape[2])]
-        shape = (2, 1, hkv, start, d)
-        staging = self._staging(f"full_rows{i % 2}", math.prod(shape))
-        host = staging.take(shape)  # NOTE: waits until this buffer's previous copy completed
-        if start:
-            gather_selected(
-                kp,
-                vp,
-                torch.tensor([ids], dtype=torch.int32),
-                torch.arange(start, dtype=torch.int32).repeat(1, hkv, 1),
-                torch.tensor([start], dtype=torch.int32),
-                out=host,
-                num_threads=self.selection_threads,
-            )
-        dev = host.to(self.device, self.dtype, non_blocking=True)
-        staging.copied()
-        return dev[0, 0], dev[1, 0]
+        n = -(-start // self.block_size)
+        ids = self.cpu_pool.pages(self.batch.requests[i].request_id)[:n]
+        pool = self.cpu_pool
+        shape = (2, n, pool.num_kv_heads, pool.page_size, pool.head_dim)
+        if not self.cuda:
+            pages = torch.empty(shape, dtype=pool.dtype)
+            for kv in (0, 1):
+                pool.copy_pages(pl, kv, ids, pages[kv])
+            return pages.to(self.device), None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        # NOTE: no wait on the main stream: _mage_layer_gpu synchronized it before the first
+        # fetch, so every device-to-host write into these pages has landed.
+        with torch.cuda.stream(self._copy_stream):
+            pages = torch.empty(shape, dtype=pool.dtype, device=self.device)
+            for kv in (0, 1):
+                pool.copy_pages(pl, kv, ids, pages[kv])
+            ready = torch.cuda.Event()
+            ready.record()
+        # NOTE: allocated on the copy stream, read and freed on the main stream.
+        pages.record_stream(main)
+        return pages, ready
+
+    def _full_rows(
+        self, fetched: tuple[torch.Tensor, Any], start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[Hkv, start, D]`` (model dtype, device) of :meth:`_fetch_full`."""
+        pages, ready = fetched
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        two, n, hkv, b, d = pages.shape
+        rows = pages.transpose(1, 2).reshape(two, hkv, n * b, d)[:, :, :start].to(self.dtype)
+        return rows[0], rows[1]
 
     def _proxy_fetch(self, layer: int, q: torch.Tensor) -> None:
         """InfiniGen step 0 for one layer: proxy top-k per row, rows fetched into the pool."""
@@ -888,8 +911,14 @@ class OffloadEngine:
             # device-to-host copy into the pool still in flight must land before host reads.
             torch.cuda.current_stream(self.device).synchronize()
         outs = []
-        for i, st in enumerate(self.batch.starts()):
-            kr, vr = self._full_rows(layer, i, st)
+        starts = self.batch.starts()
+        fetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        for i, st in enumerate(starts):
+            # Copies run up to MAGE_FETCH_AHEAD requests ahead of the attention that reads them.
+            for j in range(i, min(len(starts), i + MAGE_FETCH_AHEAD)):
+                if j not in fetched:
+                    fetched[j] = self._fetch_full(layer, j, starts[j])
+            kr, vr = self._full_rows(fetched.pop(i), st)
             # [Hkv, padded(st + B), D]: the key length rounded up to a multiple of kv_pad (zero
             # rows, masked) in the same copy, so the exact attention rounds like the dense
             # engine's step over the same keys

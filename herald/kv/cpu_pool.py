@@ -20,17 +20,19 @@ by a lock for that reason.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import torch
 
 from herald.kv.pinned import register_pinned, unregister_pinned
 
-__all__ = ["CpuKVPool", "CpuPoolFullError"]
+__all__ = ["CpuKVPool", "CpuPoolFullError", "page_copy_runs"]
 
 _GIB = 1 << 30
 
@@ -331,6 +333,49 @@ class CpuKVPool:
         self.k_pages(layer)[page, :, :n].copy_(k, non_blocking=non_blocking)
         self.v_pages(layer)[page, :, :n].copy_(v, non_blocking=non_blocking)
 
+    def copy_pages(
+        self, layer: int, kv: int, page_ids: Sequence[int], out: torch.Tensor
+    ) -> torch.Tensor:
+        """Copy whole pages of pool ``layer`` (``kv`` 0: K, 1: V) into ``out`` and return it.
+
+        Args:
+            page_ids: pool page ids (a request's :meth:`pages` or a prefix of them).
+            out: contiguous ``[len(page_ids), Hkv, page_size, D]`` of the pool's dtype, on any
+                device; ``out[j]`` receives page ``page_ids[j]``.
+
+        One copy per run of consecutive ids (the allocator hands out ascending ids, so a
+        request's pages are usually a few runs): no CPU gather. Into CUDA from the pinned pool
+        the copies are asynchronous DMAs on the current stream at PCIe speed (MAGE's per-block
+        full-KV fetch, DESIGN §4). NOTE: the caller must neither write these pages nor free them
+        before that stream has passed the copies. A run is split where it would span two pinned
+        registrations (the driver rejects one copy across two, see :mod:`herald.kv.pinned`); a
+        page that itself spans two goes through a pageable bounce copy.
+
+        Raises ValueError (``kv``, ``out``'s shape, dtype or layout), IndexError (a page id or
+        ``layer`` out of range).
+        """
+        if kv not in (0, 1):
+            raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv!r}")
+        src = self._kv(layer, kv)
+        shape = (len(page_ids), self.num_kv_heads, self.page_size, self.head_dim)
+        if tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {self.dtype} tensor of shape {list(shape)}, got "
+                f"{out.dtype} {list(out.shape)}"
+            )
+        bad = [p for p in page_ids if not 0 <= p < self.num_pages]
+        if bad:
+            raise IndexError(f"page id {bad[0]} outside [0, {self.num_pages})")
+        page_bytes = src[0].nbytes
+        base = src.data_ptr()
+        limit = self.num_pages * page_bytes
+        inner = [a - base for a in self._registered if 0 < a - base < limit]
+        non_blocking = out.is_cuda and self.pinned
+        for j, first, count, bounce in page_copy_runs(page_ids, page_bytes, inner):
+            dst, pages = out[j : j + count], src[first : first + count]
+            dst.copy_(pages.clone() if bounce else pages, non_blocking=non_blocking and not bounce)
+        return out
+
     def read_tokens(
         self, layer: int, request_id: str, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,3 +396,47 @@ class CpuKVPool:
         k = self.k_pages(layer)[page, :, slot].transpose(0, 1).contiguous()  # [n, Hkv, D] -> ...
         v = self.v_pages(layer)[page, :, slot].transpose(0, 1).contiguous()
         return k, v
+
+
+def page_copy_runs(
+    page_ids: Sequence[int], page_bytes: int, boundaries: Sequence[int]
+) -> list[tuple[int, int, int, bool]]:
+    """Split ``page_ids`` into runs that one copy each can move (:meth:`CpuKVPool.copy_pages`).
+
+    Args:
+        page_ids: page ids in output order; page p occupies bytes ``[p, p + 1) * page_bytes``.
+        page_bytes: bytes per page (> 0).
+        boundaries: byte offsets where one pinned registration ends and the next begins.
+
+    Returns ``[(index into page_ids, first page id, count, bounce)]`` covering ``page_ids`` in
+    order: each run holds consecutive ids and spans no boundary; ``bounce`` marks a single page
+    that a boundary cuts in two (it must be copied through pageable memory).
+    """
+    if page_bytes < 1:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    cuts = sorted(boundaries)
+    runs: list[tuple[int, int, int, bool]] = []
+    j, n = 0, len(page_ids)
+    while j < n:
+        first, count = page_ids[j], 1
+        while j + count < n and page_ids[j + count] == first + count:
+            count += 1
+        p, end = first, first + count
+        lo = bisect.bisect_right(cuts, first * page_bytes)
+        for cut in cuts[lo:]:
+            if cut >= end * page_bytes:
+                break
+            page, rem = divmod(cut, page_bytes)
+            if page < p:  # inside a page already bounced
+                continue
+            if page > p:
+                runs.append((j + p - first, p, page - p, False))
+            if rem:
+                runs.append((j + page - first, page, 1, True))
+                p = page + 1
+            else:
+                p = page
+        if p < end:
+            runs.append((j + p - first, p, end - p, False))
+        j += count
+    return runs

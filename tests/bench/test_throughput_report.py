@@ -16,15 +16,15 @@ GEOM = {LLADA: (18, 4, 128), SDAR: (34, 8, 128)}
 TABLE2 = {
     (LLADA, K32, "dense"): {8: 700.0, 16: 1100.0, 24: 1250.0, 32: "oom"},
     (LLADA, K32, "herald"): {16: 900.0, 32: 1700.0, 48: 2300.0, 64: 2500.0, 80: "dram"},
-    (LLADA, K32, "mage"): {16: 300.0, 32: 380.0, 56: 390.0},
+    (LLADA, K32, "mage"): {16: 300.0, 32: 380.0, 56: 390.0, 80: 385.0},
     (LLADA, K32, "infinigen"): {16: 250.0, 32: 260.0, 48: "oom"},
     (LLADA, K16, "dense"): {16: 1400.0, 32: 1900.0, 48: "oom"},
     (LLADA, K16, "herald"): {32: 1800.0, 64: 3000.0, 96: 3400.0, 128: "dram"},
-    (LLADA, K16, "mage"): {16: 600.0, 32: 700.0},  # 64 and 96 still pending
+    (LLADA, K16, "mage"): {16: 600.0, 32: 700.0},  # 64 to 160 still pending
     (LLADA, K16, "infinigen"): {16: 500.0, 32: 3500.0, 64: "dram"},  # above HERALD: missed
     (SDAR, K32, "dense"): {4: 300.0, 8: 450.0, 12: "oom"},
     (SDAR, K32, "herald"): {8: 400.0, 16: 700.0, 24: "dram"},
-    (SDAR, K32, "mage"): {8: 100.0},  # 16 and 24 pending, measured on a bigger host
+    (SDAR, K32, "mage"): {8: 100.0},  # 16 to 32 pending, measured on a bigger host
 }
 BUDGET = {"dense": None, "herald": 0.05, "mage": 0.025, "infinigen": 0.2}
 BIG_HOST = {"kind": "run", "run_id": "r2", "command": "python -m herald.bench.throughput",
@@ -114,9 +114,9 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "HERALD 3400 vs mage 700 tok/s: **pending (sweep incomplete)**" in md
     assert "HERALD 700 vs mage 100 tok/s: **pending (sweep incomplete)**" in md
     row = "| 16K | MAGE-Offload (GPU selection) 2.5% | 32 | 700 (0.37x) | 96 / 749 |"
-    assert f"{row} **incomplete**: bs 64, 96 pending |" in md
+    assert f"{row} **incomplete**: bs 64, 96, 128, 160 pending |" in md
     # a point from another host shape says so; the `selected` output mode has its own target line
-    assert "**incomplete**: bs 16, 24 pending (on 32 cores, 251.8 GiB) |" in md
+    assert "**incomplete**: bs 16, 24, 32 pending (on 32 cores, 251.8 GiB) |" in md
     assert "HERALD (`selected` kernel output, our step beyond the paper) / Dense = " in md
     # Fig. 12 table: ceilings at each HERALD batch (per-step fetch at 5%, 32K, 55 GB/s: 1456)
     assert "| herald | 48 | 2300 |" in md and "| 1456 |" in md

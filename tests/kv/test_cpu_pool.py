@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
+from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError, page_copy_runs
 from herald.kv.pinned import register_pinned, unregister_pinned
 from herald.kv.selection import select_topk
 
@@ -134,6 +134,93 @@ def test_write_read_round_trip_across_pages() -> None:
     got_k, got_v = pool.read_tokens(0, "a", 8, 12)
     assert torch.equal(got_k[:, :3], k) and torch.equal(got_v[:, :3], v)
     assert torch.equal(got_k[:, 3], ref[0, "a"][0][:, 11])
+
+
+def fill_pages(pool: CpuKVPool, rid: str, nblocks: int) -> None:
+    for layer in range(L):
+        for i in range(nblocks):
+            pool.write_block(layer, rid, i, *rand_block())
+
+
+def test_copy_pages_equals_the_request_rows() -> None:
+    pool = make_pool(12)
+    pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    pool.extend("a", 2)  # a's pages: [0, 1, 3, 4], two runs
+    fill_pages(pool, "a", 4)
+    ids = pool.pages("a")
+    for layer in range(L):
+        out = torch.empty(2, len(ids), HKV, P, D, dtype=torch.bfloat16)
+        for kv in (0, 1):
+            view = out[kv]
+            assert pool.copy_pages(layer, kv, ids, view) is view
+        k, v = pool.read_tokens(layer, "a", 0, 4 * P)
+        rows = out.transpose(1, 2).reshape(2, HKV, 4 * P, D)
+        assert torch.equal(rows[0], k) and torch.equal(rows[1], v)
+    # a prefix of the pages, and no pages at all
+    out = torch.empty(3, HKV, P, D, dtype=torch.bfloat16)
+    pool.copy_pages(1, 1, ids[:3], out)
+    assert torch.equal(out[2], pool.v_pages(1)[3])
+    assert pool.copy_pages(0, 0, [], torch.empty(0, HKV, P, D, dtype=torch.bfloat16)).numel() == 0
+
+
+def test_copy_pages_errors() -> None:
+    pool = make_pool(4)
+    out = torch.empty(2, HKV, P, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv must be"):
+        pool.copy_pages(0, 2, [0, 1], out)
+    with pytest.raises(ValueError, match="shape"):
+        pool.copy_pages(0, 0, [0], out)
+    with pytest.raises(ValueError, match="contiguous"):
+        pool.copy_pages(0, 0, [0, 1], out.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        pool.copy_pages(0, 0, [0, 1], out.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(IndexError, match="page id 4"):
+        pool.copy_pages(0, 0, [3, 4], out)
+    with pytest.raises(IndexError):
+        pool.copy_pages(L, 0, [0, 1], out)
+
+
+def test_page_copy_runs_split_at_gaps_and_registrations() -> None:
+    assert page_copy_runs([0, 1, 2, 3, 7, 8, 5], 10, []) == [
+        (0, 0, 4, False), (4, 7, 2, False), (6, 5, 1, False),
+    ]  # fmt: skip
+    # a registration boundary at a page start splits the run there
+    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [30]) == [(0, 0, 3, False), (3, 3, 3, False)]
+    # inside a page: that page is bounced through pageable memory
+    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [25, 50]) == [
+        (0, 0, 2, False), (2, 2, 1, True), (3, 3, 2, False), (5, 5, 1, False),
+    ]  # fmt: skip
+    # boundaries outside the pages asked for change nothing
+    assert page_copy_runs([3, 4, 5], 10, [25, 60, 70]) == [(0, 3, 3, False)]
+    assert page_copy_runs([2], 10, [25]) == [(0, 2, 1, True)]
+    assert page_copy_runs([], 10, [25]) == []
+    with pytest.raises(ValueError):
+        page_copy_runs([0], 0, [])
+
+
+def test_copy_pages_across_a_registration_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool cut by registrations (faked): one inside a page, one at a page start."""
+    pool = make_pool(8)
+    pool.allocate("a", 8)
+    fill_pages(pool, "a", 8)
+    src = pool.v_pages(2)
+    page_bytes = src[0].nbytes
+    cuts = [src.data_ptr() + 2 * page_bytes + 64, src.data_ptr() + 5 * page_bytes]
+    copies: list[int] = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        copies.append(other.shape[0])
+        return real_copy(self, other, non_blocking)
+
+    monkeypatch.setattr(pool, "_registered", [pool.storage.data_ptr() - 64, *cuts])
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    out = torch.empty(8, HKV, P, D, dtype=torch.bfloat16)
+    pool.copy_pages(2, 1, list(range(8)), out)
+    monkeypatch.undo()
+    assert copies == [2, 1, 2, 3]  # pages [0, 2), page 2 bounced, [3, 5), [5, 8)
+    assert torch.equal(out, src)
 
 
 def test_write_read_errors() -> None:
@@ -276,6 +363,12 @@ def test_gpu_pinned_2gib_pool() -> None:
     done.synchronize()  # the fence a reader would wait on
     got_k, got_v = pool.read_tokens(layers - 1, "r", page, 2 * page)
     assert torch.equal(got_k, k.cpu()) and torch.equal(got_v, v.cpu())
+    # whole pages straight to the device (MAGE's full fetch): DMA from the pinned pool
+    out = torch.empty(2, 2, hkv, page, d, device="cuda", dtype=torch.bfloat16)
+    for kv in (0, 1):
+        pool.copy_pages(layers - 1, kv, pool.pages("r"), out[kv])
+    torch.cuda.synchronize()
+    assert torch.equal(out[0, 1], k) and torch.equal(out[1, 1], v)
     pool.free("r")
     view = pool.k_pages(0)
     pool.close()
