@@ -854,22 +854,25 @@ class OffloadEngine:
         b, buf = self.block_size, self.pool.active
         reqs, starts = self.batch.requests, self.batch.starts()
         chans = self.proxy_chans[layer]
-        picks, tables = [], []
+        ranked = [st - last for st, last in zip(starts, self.last_len, strict=True)]
+        picked = [max(0, min(kk, r)) for kk, r in zip(self.k_sel, ranked, strict=True)]
+        hkv = self.cpu_pool.num_kv_heads
+        # The picks of every request land in one device tensor and come to the host in one copy
+        # per layer (NOTE: one copy per request was one host-device sync per request and layer).
+        shape = (len(reqs), hkv, max([1, *picked]))
+        idx = torch.full(shape, -1, dtype=torch.int32, device=q.device)
+        tables = []
         for i, req in enumerate(reqs):
-            ranked = starts[i] - self.last_len[i]
-            part = self.partial_k[layer][i, :, :ranked]
-            picks.append(proxy_topk(q[i], part, chans, self.k_sel[i]).to("cpu", torch.int32))
-            tables.append(self.cpu_pool.pages(req.request_id)[: max(1, -(-ranked // b))])
-        kmax = max(1, max(x.shape[1] for x in picks))
-        idx = torch.full((len(reqs), picks[0].shape[0], kmax), -1, dtype=torch.int32)
-        for i, x in enumerate(picks):
-            idx[i, :, : x.shape[1]] = x
+            part = self.partial_k[layer][i, :, : ranked[i]]
+            idx[i, :, : picked[i]] = proxy_topk(q[i], part, chans, self.k_sel[i])
+            tables.append(self.cpu_pool.pages(req.request_id)[: max(1, -(-ranked[i] // b))])
+        idx = idx.cpu()
         table = _page_table(tables)
         if self.cuda:
             # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
             # device-to-host copy into the pool still in flight must land before host reads.
             torch.cuda.current_stream(self.device).synchronize()
-        num = torch.tensor([x.shape[1] for x in picks], dtype=torch.int32)
+        num = torch.tensor(picked, dtype=torch.int32)
         self._gather_and_write(buf, layer, table, idx, num)
 
     def _gather_and_write(
