@@ -402,7 +402,11 @@ def targets(d: Data) -> list[str]:
                 for v in ("mage", "infinigen"):
                     orecs = d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
                     other = peak(orecs)
-                    if other is None:
+                    if other is None:  # not measured yet (or superseded): say so, decide nothing
+                        lines.append(
+                            f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
+                            f"{top['decode_tokens_per_s']:.0f} vs {v}: **pending (not measured)**"
+                        )
                         continue
                     ok = top["decode_tokens_per_s"] > other["decode_tokens_per_s"]
                     open_ = _open(hr, m, ctx, "herald") or _open(orecs, m, ctx, v)

@@ -113,6 +113,7 @@ def test_report_from_fixture(tmp_path, capsys):
     # a sweep with planned batches still pending decides nothing yet
     assert "HERALD 3400 vs mage 700 tok/s: **pending (sweep incomplete)**" in md
     assert "HERALD 700 vs mage 100 tok/s: **pending (sweep incomplete)**" in md
+    assert "sdar-8b-chat 32K, 80 GB cap: HERALD 700 vs infinigen: **pending (not measured)**" in md
     row = "| 16K | MAGE-Offload (GPU selection) 2.5% | 32 | 700 (0.37x) | 96 / 749 |"
     assert f"{row} **incomplete**: bs 64, 96, 128, 160 pending |" in md
     # a point from another host shape says so; the `selected` output mode has its own target line
