@@ -823,11 +823,8 @@ class OffloadEngine:
             for kv in (0, 1):
                 pool.copy_pages(pl, kv, ids, pages[kv])
             return pages.to(self.device), None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
+        assert self._copy_stream is not None  # made (and ordered after main) by the caller
         main = torch.cuda.current_stream(self.device)
-        # NOTE: no wait on the main stream: _mage_layer_gpu synchronized it before the first
-        # fetch, so every device-to-host write into these pages has landed.
         with torch.cuda.stream(self._copy_stream):
             pages = torch.empty(shape, dtype=pool.dtype, device=self.device)
             for kv in (0, 1):
@@ -908,14 +905,39 @@ class OffloadEngine:
 
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
-        b, buf = self.block_size, self.pool.active
         if self.cuda:
-            # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
-            # device-to-host copy into the pool still in flight must land before host reads.
-            torch.cuda.current_stream(self.device).synchronize()
-        outs = []
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            # NOTE: copy-after-write on the device: the page copies queue behind everything on
+            # the main stream so far, device-to-host writes into the pool included (host writes
+            # into it are synchronous).
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        outs: list[torch.Tensor] = []
         starts = self.batch.starts()
         fetched: dict[int, tuple[torch.Tensor, Any]] = {}
+        try:
+            self._mage_requests(layer, q, k, v, starts, fetched, outs)
+        finally:
+            # NOTE: copies still in flight after an error must not go unseen: the main stream
+            # waits for them, so its next synchronization (before any host write into the
+            # pool) covers them.
+            for _, ready in fetched.values():
+                if ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ready)
+        return torch.cat(outs)
+
+    def _mage_requests(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        starts: list[int],
+        fetched: dict[int, tuple[torch.Tensor, Any]],
+        outs: list[torch.Tensor],
+    ) -> None:
+        """The per-request body of :meth:`_mage_layer_gpu` (attention outputs into ``outs``)."""
+        b, buf = self.block_size, self.pool.active
         for i, st in enumerate(starts):
             # Copies run up to MAGE_FETCH_AHEAD requests ahead of the attention that reads them.
             for j in range(i, min(len(starts), i + MAGE_FETCH_AHEAD)):
@@ -942,7 +964,6 @@ class OffloadEngine:
             gi = idx[..., None].expand(-1, -1, keys.shape[-1])
             self.pool.k(buf, layer)[i, :, :kk] = keys.gather(1, gi)
             self.pool.v(buf, layer)[i, :, :kk] = vals.gather(1, gi)
-        return torch.cat(outs)
 
     def _mage_layer_cpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Exact attention + top-k with the CPU kernel (B queries, n_q = B)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -348,8 +349,8 @@ class CpuKVPool:
         the copies are asynchronous DMAs on the current stream at PCIe speed (MAGE's per-block
         full-KV fetch, DESIGN §4). NOTE: the caller must neither write these pages nor free them
         before that stream has passed the copies. A run is split where it would span two pinned
-        registrations (the driver rejects one copy across two, see :mod:`herald.kv.pinned`); a
-        page that itself spans two goes through a pageable bounce copy.
+        registrations (the driver rejects one copy across two, see :mod:`herald.kv.pinned`), and
+        a page that itself spans two is copied in pieces.
 
         Raises ValueError (``kv``, ``out``'s shape, dtype or layout), IndexError (a page id or
         ``layer`` out of range).
@@ -371,9 +372,17 @@ class CpuKVPool:
         limit = self.num_pages * page_bytes
         inner = [a - base for a in self._registered if 0 < a - base < limit]
         non_blocking = out.is_cuda and self.pinned
-        for j, first, count, bounce in page_copy_runs(page_ids, page_bytes, inner):
+        item = src.element_size()
+        for j, first, count, cuts in page_copy_runs(page_ids, page_bytes, inner):
             dst, pages = out[j : j + count], src[first : first + count]
-            dst.copy_(pages.clone() if bounce else pages, non_blocking=non_blocking and not bounce)
+            if not cuts:
+                dst.copy_(pages, non_blocking=non_blocking)
+                continue
+            # one page cut by registrations: one copy per piece (each within one registration)
+            edges = [0, *(c // item for c in cuts), page_bytes // item]
+            flat_dst, flat_src = dst.view(-1), pages.reshape(-1)
+            for a, b in itertools.pairwise(edges):
+                flat_dst[a:b].copy_(flat_src[a:b], non_blocking=non_blocking)
         return out
 
     def read_tokens(
@@ -400,7 +409,7 @@ class CpuKVPool:
 
 def page_copy_runs(
     page_ids: Sequence[int], page_bytes: int, boundaries: Sequence[int]
-) -> list[tuple[int, int, int, bool]]:
+) -> list[tuple[int, int, int, tuple[int, ...]]]:
     """Split ``page_ids`` into runs that one copy each can move (:meth:`CpuKVPool.copy_pages`).
 
     Args:
@@ -408,14 +417,15 @@ def page_copy_runs(
         page_bytes: bytes per page (> 0).
         boundaries: byte offsets where one pinned registration ends and the next begins.
 
-    Returns ``[(index into page_ids, first page id, count, bounce)]`` covering ``page_ids`` in
-    order: each run holds consecutive ids and spans no boundary; ``bounce`` marks a single page
-    that a boundary cuts in two (it must be copied through pageable memory).
+    Returns ``[(index into page_ids, first page id, count, cuts)]`` covering ``page_ids`` in
+    order: each run holds consecutive ids and spans no boundary, except a single page that
+    boundaries cut inside: then ``count`` is 1 and ``cuts`` holds their byte offsets within the
+    page (ascending), where its copy must be split. ``cuts`` is empty otherwise.
     """
     if page_bytes < 1:
         raise ValueError(f"page_bytes must be positive, got {page_bytes}")
-    cuts = sorted(boundaries)
-    runs: list[tuple[int, int, int, bool]] = []
+    cuts = sorted(set(boundaries))
+    runs: list[tuple[int, int, int, tuple[int, ...]]] = []
     j, n = 0, len(page_ids)
     while j < n:
         first, count = page_ids[j], 1
@@ -423,20 +433,20 @@ def page_copy_runs(
             count += 1
         p, end = first, first + count
         lo = bisect.bisect_right(cuts, first * page_bytes)
-        for cut in cuts[lo:]:
-            if cut >= end * page_bytes:
-                break
+        hi = bisect.bisect_left(cuts, end * page_bytes)
+        at: dict[int, list[int]] = {}  # page -> offsets of the cuts within it (0: its start)
+        for cut in cuts[lo:hi]:
             page, rem = divmod(cut, page_bytes)
-            if page < p:  # inside a page already bounced
-                continue
+            at.setdefault(page, []).append(rem)
+        for page in sorted(at):
             if page > p:
-                runs.append((j + p - first, p, page - p, False))
-            if rem:
-                runs.append((j + page - first, page, 1, True))
-                p = page + 1
-            else:
+                runs.append((j + p - first, p, page - p, ()))
                 p = page
+            inner = tuple(r for r in at[page] if r)
+            if inner:
+                runs.append((j + page - first, page, 1, inner))
+                p = page + 1
         if p < end:
-            runs.append((j + p - first, p, end - p, False))
+            runs.append((j + p - first, p, end - p, ()))
         j += count
     return runs

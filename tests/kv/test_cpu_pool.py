@@ -183,20 +183,39 @@ def test_copy_pages_errors() -> None:
 
 def test_page_copy_runs_split_at_gaps_and_registrations() -> None:
     assert page_copy_runs([0, 1, 2, 3, 7, 8, 5], 10, []) == [
-        (0, 0, 4, False), (4, 7, 2, False), (6, 5, 1, False),
+        (0, 0, 4, ()), (4, 7, 2, ()), (6, 5, 1, ()),
     ]  # fmt: skip
     # a registration boundary at a page start splits the run there
-    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [30]) == [(0, 0, 3, False), (3, 3, 3, False)]
-    # inside a page: that page is bounced through pageable memory
-    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [25, 50]) == [
-        (0, 0, 2, False), (2, 2, 1, True), (3, 3, 2, False), (5, 5, 1, False),
+    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [30]) == [(0, 0, 3, ()), (3, 3, 3, ())]
+    # inside a page: that page alone, with the cuts' offsets within it
+    assert page_copy_runs([0, 1, 2, 3, 4, 5], 10, [25, 50, 22]) == [
+        (0, 0, 2, ()), (2, 2, 1, (2, 5)), (3, 3, 2, ()), (5, 5, 1, ()),
     ]  # fmt: skip
-    # boundaries outside the pages asked for change nothing
-    assert page_copy_runs([3, 4, 5], 10, [25, 60, 70]) == [(0, 3, 3, False)]
-    assert page_copy_runs([2], 10, [25]) == [(0, 2, 1, True)]
+    # boundaries outside the pages asked for (or at the first one's start) change nothing
+    assert page_copy_runs([3, 4, 5], 10, [25, 30, 60, 70]) == [(0, 3, 3, ())]
+    assert page_copy_runs([2], 10, [25]) == [(0, 2, 1, (5,))]
     assert page_copy_runs([], 10, [25]) == []
     with pytest.raises(ValueError):
         page_copy_runs([0], 0, [])
+
+
+def test_page_copy_runs_random_cover_and_never_span_a_boundary() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        pb = rng.choice([4, 6, 10])
+        ids = [rng.randrange(12) for _ in range(rng.randrange(10))]
+        if rng.random() < 0.5:
+            ids = sorted(set(ids))
+        cuts = [rng.randrange(1, 12 * pb) for _ in range(rng.randrange(4))]
+        runs = page_copy_runs(ids, pb, cuts)
+        got: list[int] = []
+        for j, first, count, inner in runs:
+            assert got == ids[:j] and ids[j : j + count] == list(range(first, first + count))
+            got += ids[j : j + count]
+            lo, hi = first * pb, (first + count) * pb
+            inside = sorted({c - lo for c in cuts if lo < c < hi})
+            assert list(inner) == inside and (not inner or count == 1)
+        assert got == ids
 
 
 def test_copy_pages_across_a_registration_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,7 +238,8 @@ def test_copy_pages_across_a_registration_boundary(monkeypatch: pytest.MonkeyPat
     out = torch.empty(8, HKV, P, D, dtype=torch.bfloat16)
     pool.copy_pages(2, 1, list(range(8)), out)
     monkeypatch.undo()
-    assert copies == [2, 1, 2, 3]  # pages [0, 2), page 2 bounced, [3, 5), [5, 8)
+    # pages [0, 2); page 2 in two pieces (of elements); [3, 5); [5, 8)
+    assert copies == [2, 32, HKV * P * D - 32, 2, 3]
     assert torch.equal(out, src)
 
 
@@ -373,6 +393,28 @@ def test_gpu_pinned_2gib_pool() -> None:
     view = pool.k_pages(0)
     pool.close()
     assert not pool.pinned and not view.is_pinned()
+    pool.close()
+
+
+@pytest.mark.gpu
+def test_gpu_copy_pages_across_real_registrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations of 20 KiB cut the pool inside pages (6 KiB each) and at page starts: the
+    driver takes every piece as an async copy, and the pages arrive whole."""
+    import functools
+
+    import herald.kv.cpu_pool as cpu_pool_module
+
+    small = functools.partial(register_pinned, chunk_bytes=5 * 4096)
+    monkeypatch.setattr(cpu_pool_module, "register_pinned", small)
+    pool = CpuKVPool(2, 2, 384, 4, 64, pin=True)  # page of one layer: 2 * 4 * 384 * 2 bytes
+    assert len(pool._registered) > 10
+    pool.storage.copy_(torch.randn(pool.storage.shape).bfloat16())
+    ids = [*range(40, 64), *range(0, 30)]
+    out = torch.empty(2, len(ids), 2, 4, 384, device="cuda", dtype=torch.bfloat16)
+    for kv in (0, 1):
+        pool.copy_pages(1, kv, ids, out[kv])
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), pool.storage[1][:, ids])
     pool.close()
 
 
