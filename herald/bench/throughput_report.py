@@ -151,7 +151,7 @@ def stop_reason(recs: dict[int, dict[str, Any]], planned: tuple[int, ...] = ()) 
         what = {"oom": "GPU OOM", "dram": "DRAM"}.get(r["status"], r["status"])
         return f"{what} at bs {b}"
     if not recs:
-        return "not run"
+        return "not measured"
     todo = pending(recs, planned)
     if todo:
         return f"**incomplete**: bs {', '.join(map(str, todo))} pending"
@@ -402,11 +402,15 @@ def targets(d: Data) -> list[str]:
                 for v in ("mage", "infinigen"):
                     orecs = d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
                     other = peak(orecs)
-                    if other is None:  # not measured yet (or superseded): say so, decide nothing
-                        lines.append(
+                    if other is None:
+                        head = (
                             f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
-                            f"{top['decode_tokens_per_s']:.0f} vs {v}: **pending (not measured)**"
+                            f"{top['decode_tokens_per_s']:.0f} vs {v}: "
                         )
+                        if orecs:  # measured, and not one batch fit: HERALD ran, it did not
+                            lines.append(f"{head}no batch fits ({stop_reason(orecs)}): **met**")
+                        else:  # no points (none yet, or superseded): decide nothing
+                            lines.append(f"{head}**not measured**")
                         continue
                     ok = top["decode_tokens_per_s"] > other["decode_tokens_per_s"]
                     open_ = _open(hr, m, ctx, "herald") or _open(orecs, m, ctx, v)

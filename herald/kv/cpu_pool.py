@@ -24,6 +24,7 @@ import bisect
 import contextlib
 import itertools
 import math
+import operator
 import threading
 import time
 from collections.abc import Sequence
@@ -352,17 +353,24 @@ class CpuKVPool:
         registrations (the driver rejects one copy across two, see :mod:`herald.kv.pinned`), and
         a page that itself spans two is copied in pieces.
 
-        Raises ValueError (``kv``, ``out``'s shape, dtype or layout), IndexError (a page id or
-        ``layer`` out of range).
+        Raises ValueError (``kv``, ``out``'s shape, dtype or layout), TypeError (a ``layer`` or
+        page id that is not an integer), IndexError (a page id or ``layer`` out of range).
         """
-        if kv not in (0, 1):
+        if type(kv) is not int or kv not in (0, 1):
             raise ValueError(f"kv must be 0 (K) or 1 (V), got {kv!r}")
+        if type(layer) is not int:
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        try:
+            page_ids = [operator.index(p) for p in page_ids]
+        except TypeError:
+            raise TypeError(f"page ids must be integers, got {list(page_ids)[:4]!r}...") from None
         src = self._kv(layer, kv)
         shape = (len(page_ids), self.num_kv_heads, self.page_size, self.head_dim)
         if tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous():
+            layout = "" if out.is_contiguous() else "non-contiguous "
             raise ValueError(
-                f"out must be a contiguous {self.dtype} tensor of shape {list(shape)}, got "
-                f"{out.dtype} {list(out.shape)}"
+                f"out must be a contiguous {self.dtype} tensor of shape {list(shape)}, got a "
+                f"{layout}{out.dtype} tensor of shape {list(out.shape)}"
             )
         bad = [p for p in page_ids if not 0 <= p < self.num_pages]
         if bad:

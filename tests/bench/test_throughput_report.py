@@ -25,6 +25,8 @@ TABLE2 = {
     (SDAR, K32, "dense"): {4: 300.0, 8: 450.0, 12: "oom"},
     (SDAR, K32, "herald"): {8: 400.0, 16: 700.0, 24: "dram"},
     (SDAR, K32, "mage"): {8: 100.0},  # 16 to 32 pending, measured on a bigger host
+    (SDAR, K16, "herald"): {16: 500.0, 32: "dram"},
+    (SDAR, K16, "infinigen"): {16: "oom"},  # not one batch fits
 }
 BUDGET = {"dense": None, "herald": 0.05, "mage": 0.025, "infinigen": 0.2}
 BIG_HOST = {"kind": "run", "run_id": "r2", "command": "python -m herald.bench.throughput",
@@ -113,7 +115,9 @@ def test_report_from_fixture(tmp_path, capsys):
     # a sweep with planned batches still pending decides nothing yet
     assert "HERALD 3400 vs mage 700 tok/s: **pending (sweep incomplete)**" in md
     assert "HERALD 700 vs mage 100 tok/s: **pending (sweep incomplete)**" in md
-    assert "sdar-8b-chat 32K, 80 GB cap: HERALD 700 vs infinigen: **pending (not measured)**" in md
+    assert "sdar-8b-chat 32K, 80 GB cap: HERALD 700 vs infinigen: **not measured**" in md
+    no_fit = "HERALD 500 vs infinigen: no batch fits (GPU OOM at bs 16): **met**"
+    assert f"sdar-8b-chat 16K, 80 GB cap: {no_fit}" in md
     row = "| 16K | MAGE-Offload (GPU selection) 2.5% | 32 | 700 (0.37x) | 96 / 749 |"
     assert f"{row} **incomplete**: bs 64, 96, 128, 160 pending |" in md
     # a point from another host shape says so; the `selected` output mode has its own target line

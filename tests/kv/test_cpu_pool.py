@@ -179,6 +179,15 @@ def test_copy_pages_errors() -> None:
         pool.copy_pages(0, 0, [3, 4], out)
     with pytest.raises(IndexError):
         pool.copy_pages(L, 0, [0, 1], out)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        pool.copy_pages(0, 0, [1], torch.empty(1, P, HKV, D, dtype=torch.bfloat16).transpose(1, 2))
+    for bad_kv in (True, False, 1.0):
+        with pytest.raises(ValueError, match="kv must be"):
+            pool.copy_pages(0, bad_kv, [0, 1], out)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="layer must be"):
+        pool.copy_pages(1.0, 0, [0, 1], out)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="page ids must be integers"):
+        pool.copy_pages(0, 0, [0, 1.0], out)  # type: ignore[list-item]
 
 
 def test_page_copy_runs_split_at_gaps_and_registrations() -> None:
