@@ -395,17 +395,18 @@ def targets(d: Data) -> list[str]:
     for cap in (CAP_H100, None):
         for m in d.models():
             for ctx in d.contexts(m):
-                hr = d.sweep(m, ctx, "herald", 0.05, cap)[0]
+                hr, hnote = d.sweep(m, ctx, "herald", 0.05, cap)
                 top = peak(hr)
                 if not top:
                     continue
+                hnote = f" ({hnote})" if hnote else ""
                 for v in ("mage", "infinigen"):
                     orecs = d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
                     other = peak(orecs)
                     if other is None:
                         head = (
                             f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
-                            f"{top['decode_tokens_per_s']:.0f} vs {v}: "
+                            f"{top['decode_tokens_per_s']:.0f}{hnote} vs {v}: "
                         )
                         if orecs:  # measured, and not one batch fit: HERALD ran, it did not
                             lines.append(f"{head}no batch fits ({stop_reason(orecs)}): **met**")
@@ -417,7 +418,7 @@ def targets(d: Data) -> list[str]:
                     verdict = "pending (sweep incomplete)" if open_ else ("met" if ok else "missed")
                     lines.append(
                         f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
-                        f"{top['decode_tokens_per_s']:.0f} vs {v} {other['decode_tokens_per_s']:.0f} tok/s: "
+                        f"{top['decode_tokens_per_s']:.0f}{hnote} vs {v} {other['decode_tokens_per_s']:.0f} tok/s: "
                         f"**{verdict}**"
                     )
                     if not ok and not open_:

@@ -112,6 +112,7 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "batch bound: bs 80 did not fit in DRAM" in md
     assert "HERALD 3400 vs infinigen 3500 tok/s: **missed**" in md
     assert "HERALD 2500 vs mage 390 tok/s: **met**" in md
+    assert "whole GPU: HERALD 2500 (= 80 GB run) vs mage 390 tok/s: **met**" in md
     # a sweep with planned batches still pending decides nothing yet
     assert "HERALD 3400 vs mage 700 tok/s: **pending (sweep incomplete)**" in md
     assert "HERALD 700 vs mage 100 tok/s: **pending (sweep incomplete)**" in md
