@@ -277,6 +277,10 @@ def run_blocks(engine: Any, reqs: list[Request], ps: PointSettings, steps: int) 
         if all(getattr(x, "retrieval_start", None) is not None for x in mine):
             out["block_retrieval_start_s"] = [x.retrieval_start for x in mine]
             out["block_retrieval_end_s"] = [x.retrieval_end for x in mine]
+        if all(getattr(x, "retrieval_layers", None) for x in mine):
+            # the retrieval stream's host seconds per block, summed over the offloaded layers:
+            # query to host, CPU kernel, gather + copies
+            out["block_retrieval_parts_s"] = [dict(x.retrieval_layers) for x in mine]
     return out
 
 

@@ -426,6 +426,21 @@ def targets(d: Data) -> list[str]:
     return lines
 
 
+def _retrieval_parts(rec: dict[str, Any]) -> str:
+    """ " (CPU kernel a s, gather + copies b s, query to host c s)" from a point's retrieval
+    parts (the mean over its timed blocks), or "" for points recorded without them."""
+    parts = rec.get("block_retrieval_parts_s")
+    if not parts:
+        return ""
+    names = {
+        "kernel": "CPU kernel",
+        "gather_copy": "gather + copies",
+        "query_to_host": "query to host",
+    }
+    mean = {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in names}
+    return " (" + ", ".join(f"{names[k]} {mean[k]:.2f} s" for k in names) + ")"
+
+
 def diagnose(
     d: Data, herald: dict[int, dict[str, Any]], other: dict[str, Any], variant: str = "herald"
 ) -> list[str]:
@@ -448,6 +463,7 @@ def diagnose(
         stream = "retrieval (CPU selection)" if retr > main else "main (GPU forwards)"
         out.append(
             f"  - per block: main stream {main:.2f} s, retrieval stream {retr:.2f} s, stall {_f(_mean(top.get('block_stall_s')), '.2f')} s: the {stream} stream is the longer"
+            + _retrieval_parts(top)
         )
     key = _bound(c, RELEVANT["herald"])
     if key != "-":

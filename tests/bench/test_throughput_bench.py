@@ -52,6 +52,8 @@ def test_sweep_writes_points_for_dense_and_herald(tmp_path, preset, context):
         assert p["budget"] == 0.05 and len(p["block_retrieval_s"]) == 1
         sel = p["selection_kernel"]
         assert sel["n_q"] == 1 and sel["block_s"] > 0 and sel["num_layers"] == 2
+        (parts,) = p["block_retrieval_parts_s"]
+        assert set(parts) == {"query_to_host", "kernel", "gather_copy"} and parts["kernel"] > 0
     assert _records(tmp_path, "run")[0]["command"]
     machine = _records(tmp_path, "machine")[0]
     assert machine["pcie"] is None and machine["dram"]["reference_gbs"] > 0

@@ -56,6 +56,9 @@ def _point(model, ctx, variant, budget, batch, value, steps=20, cap=CAP_H100):
         block = batch * 32 / value
         rec.update(block_main_s=[block, block], block_retrieval_s=[0.8 * block, 0.8 * block],
                    block_stall_s=[0.0, 0.0])  # fmt: skip
+        if variant.startswith("herald"):
+            parts = {"query_to_host": 0.01, "kernel": 0.6 * block, "gather_copy": 0.1 * block}
+            rec["block_retrieval_parts_s"] = [parts, parts]
         if variant.startswith("herald") or variant.startswith("mage-cpu"):
             rec["selection_kernel"] = {"n_q": 1, "output_mode": "full", "block_s": 0.9 * block,
                                        "layer_select_s": 0.01, "layer_gather_s": 0.001,
@@ -109,6 +112,9 @@ def test_report_from_fixture(tmp_path, capsys):
     # targets: the 2.28x target missed, with the limiting ceiling and the batch bound named
     assert "HERALD / Dense = 2500 / 1250 = **2.00x** (target >= 2.28x): **missed**" in md
     assert "limiting ceiling: **" in md and "lift:" in md
+    # HERALD 32K bs 64 at 2500 tok/s: 0.82 s per block, 0.6 of it the kernel
+    parts = "(CPU kernel 0.49 s, gather + copies 0.08 s, query to host 0.01 s)"
+    assert f"stream is the longer {parts}" in md
     assert "batch bound: bs 80 did not fit in DRAM" in md
     assert "HERALD 3400 vs infinigen 3500 tok/s: **missed**" in md
     assert "HERALD 2500 vs mage 390 tok/s: **met**" in md
