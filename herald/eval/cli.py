@@ -191,7 +191,7 @@ def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from herald.eval.report import write_report
+    from herald.eval.report import record_planned, write_report
 
     out: Path = args.out
     if args.report:
@@ -254,6 +254,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     (out / "examples").mkdir(exist_ok=True)
     todo = [u for u in units if not (runs / f"{u.key}.json").is_file()]
+    record_planned(out, [u.key for u in units])
     print(
         f"{len(units)} units in part {k}/{n}, {len(units) - len(todo)} already done",
         file=sys.stderr,

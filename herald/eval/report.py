@@ -356,6 +356,27 @@ def pooled_analysis(units: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+PLANNED_NAME = "planned.json"
+
+
+def record_planned(out: Path, keys: list[str]) -> None:
+    """Add ``keys`` (unit keys a command will run) to ``out/planned.json``, so that the report
+    can list the ones that have no result yet (a time limit, a crash, a part not yet run)."""
+    path = out / PLANNED_NAME
+    known: list[str] = json.loads(path.read_text())["units"] if path.is_file() else []
+    merged = sorted(set(known) | set(keys))
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"units": merged}, indent=1) + "\n")
+
+
+def not_run(out: Path, done: set[str]) -> list[str]:
+    """Planned unit keys (``out/planned.json``) without a result under ``out/runs``."""
+    path = out / PLANNED_NAME
+    if not path.is_file():
+        return []
+    return [k for k in json.loads(path.read_text())["units"] if k not in done]
+
+
 def write_report(out: Path) -> Path:
     """Write ``results.json``, ``README.md`` and the plots into ``out``; returns the README path.
 
@@ -377,6 +398,7 @@ def write_report(out: Path) -> Path:
             }.values()
         ),
         "table": table,
+        "not_run": not_run(out, set(units)),
         "acceptance": acceptance(units, table),
         "analysis": analysis,
         "units": {
@@ -421,5 +443,13 @@ def write_report(out: Path) -> Path:
 
     notes = write_plots(out, table, analysis)
     readme = out / "README.md"
+    missing = results["not_run"]
+    if missing:
+        notes.insert(
+            0,
+            f"**Not run yet: {len(missing)} planned unit(s)** (a time limit, an error, or a part "
+            f"not run), absent from every table above: {', '.join(missing)}. Rerun the same "
+            "command with the same --out to continue.",
+        )
     readme.write_text(markdown(units, selections, analysis) + "".join(f"\n{n}\n" for n in notes))
     return readme

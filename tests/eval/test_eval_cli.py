@@ -38,6 +38,12 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert main([*ARGS, "--out", str(out), "--threshold", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "other settings" in err and "threshold" in err and "new --out" in err
+    assert res["not_run"] == []
+    # A planned unit without a result (a time limit stopped the call) is named in the report.
+    (out / "runs" / "line_256_herald_1.json").unlink()
+    assert main(["eval", "--report", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["not_run"] == ["line_256_herald_1"]
+    assert "Not run yet: 1 planned unit(s)" in (out / "README.md").read_text()
 
 
 def test_eval_user_errors(tmp_path, capsys):
