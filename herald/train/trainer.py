@@ -373,19 +373,22 @@ class Run:
         return total / n
 
     def validate_stored(self) -> float | None:
-        """:meth:`validate` with the weights as an int8 checkpoint stores them (each 2-D or
-        stacked weight through the per-row int8 round trip), then the float weights back; None
-        for bf16 storage. The loss users of the saved checkpoint get."""
-        if self.storage != "int8":
+        """:meth:`validate` with the weights as the checkpoint stores them, then the training
+        weights back: the loss users of the saved checkpoint get. int8 storage: each 2-D or
+        stacked weight through the per-row int8 round trip, the rest rounded to bf16; bf16
+        storage: every weight rounded to bf16. None without held-out windows."""
+        if self.data.val_windows.shape[0] == 0:
             return None
         saved = []
         with torch.no_grad():
             for p in self.model.parameters():  # a tied embedding is yielded once
-                if p.dim() >= 2:
-                    saved.append((p, p.detach().clone()))
+                saved.append((p, p.detach().clone()))
+                if self.storage == "int8" and p.dim() >= 2:
                     rows = p.detach().reshape(-1, p.shape[-1])
                     q, scale = quantize_rowwise(rows)
                     p.copy_(dequantize_rowwise(q, scale, p.dtype).reshape(p.shape).to(p.device))
+                else:
+                    p.copy_(p.to(torch.bfloat16))
         try:
             return self.validate()
         finally:
@@ -399,7 +402,7 @@ class Run:
         cfg = self.cfg
         out = cfg.out_dir
         state_file, log_file = state_path(cfg), log_path(cfg)
-        stored = {} if val_stored is None else {"val_loss_stdlib_int8": val_stored}
+        stored = {} if val_stored is None else {f"val_loss_stdlib_{self.storage}": val_stored}
         provenance = {
             "herald_training": {
                 "global_step": self.global_step,

@@ -69,6 +69,8 @@ def test_train_cli_writes_a_checkpoint_that_herald_generates_with(trees, tmp_pat
     assert log["global_step"] == 3 and log["tokens_seen"] == 3 * 2 * 64
     assert log["data_manifest"]["file_count"] == 11 and len(log["data_manifest_sha256"]) == 64
     assert log["run"]["val_loss_stdlib"] > 0 and len(log["history"]) == 3
+    # the loss of the weights as saved (bf16) is recorded beside the training weights' loss
+    assert abs(log["run"]["val_loss_stdlib_bf16"] - log["run"]["val_loss_stdlib"]) < 0.05
     state = json.loads((out / "train_state.json").read_text())
     assert state["data_position"] == 6 and state["global_step"] == 3
     assert (
