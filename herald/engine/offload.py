@@ -56,6 +56,10 @@ from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
+GATHER_CHUNKS = 4
+"""Groups of requests whose selected-row gather and host-to-device copy are pipelined (MAGE with
+CPU selection and InfiniGen, once per layer at step 0)."""
+
 MAGE_FETCH_AHEAD = 4
 """Requests whose full-KV copies MAGE's step 0 keeps in flight ahead of the attention reading
 them (device memory: this many requests' K/V of one layer)."""
@@ -881,27 +885,43 @@ class OffloadEngine:
         num_selected: torch.Tensor,
     ) -> None:
         """Gather the selected rows of ``layer`` into pinned staging and write them into the pool
-        rows ``[0, k_r)`` of every request (one asynchronous host-to-device copy)."""
+        rows ``[0, k_r)`` of every request: in up to GATHER_CHUNKS groups of requests, each
+        group's asynchronous host-to-device copy overlapping the next group's gather."""
         pl = layer - self.num_dense
         kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
-        shape = (2, indices.shape[0], indices.shape[1], indices.shape[2], kp.shape[3])
-        staging = self._staging("selected", math.prod(shape))
-        host = staging.take(shape)  # NOTE: waits until the previous layer's copy completed
-        gather_selected(
-            kp, vp, table, indices, num_selected, out=host, num_threads=self.selection_threads
-        )
-        self._write_selected(buf, layer, host.to(self.device, self.dtype, non_blocking=True))
+        n, hkv, kmax = indices.shape
+        per_req = 2 * hkv * kmax * kp.shape[3]
+        staging = self._staging("selected", n * per_req)
+        # NOTE: take() waits until the previous layer's copies from this staging completed
+        flat = staging.take((n * per_req,))
+        step = -(-n // GATHER_CHUNKS)
+        for c0 in range(0, n, step):
+            c1 = min(n, c0 + step)
+            host = flat[c0 * per_req : c1 * per_req].view(2, c1 - c0, hkv, kmax, kp.shape[3])
+            gather_selected(
+                kp,
+                vp,
+                table[c0:c1],
+                indices[c0:c1],
+                num_selected[c0:c1],
+                out=host,
+                num_threads=self.selection_threads,
+            )
+            gathered = host.to(self.device, self.dtype, non_blocking=True)
+            self._write_selected(buf, layer, gathered, first=c0)
         staging.copied()
 
-    def _write_selected(self, buf: int, layer: int, gathered: torch.Tensor) -> None:
-        """Gathered rows ``[2, n, Hkv, k_max, D]`` -> pool rows ``[0, k_r)`` per request.
+    def _write_selected(self, buf: int, layer: int, gathered: torch.Tensor, first: int = 0) -> None:
+        """Gathered rows ``[2, m, Hkv, k_max, D]`` of requests ``first .. first + m - 1`` -> their
+        pool rows ``[0, k_r)``.
 
         NOTE: exactly k_r rows each: rows past a request's k in ``gathered`` are uninitialised,
         and the pool rows after k_r hold the last completed block."""
         gk, gv = gathered[0], gathered[1]
-        for i, kk in enumerate(self.k_sel):
-            self.pool.k(buf, layer)[i, :, :kk] = gk[i, :, :kk]
-            self.pool.v(buf, layer)[i, :, :kk] = gv[i, :, :kk]
+        for j in range(gathered.shape[1]):
+            i, kk = first + j, self.k_sel[first + j]
+            self.pool.k(buf, layer)[i, :, :kk] = gk[j, :, :kk]
+            self.pool.v(buf, layer)[i, :, :kk] = gv[j, :, :kk]
 
     def _mage_layer_gpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Fetch the full KV over PCIe, exact attention + top-k on the GPU."""
