@@ -894,7 +894,7 @@ class OffloadEngine:
         staging = self._staging("selected", n * per_req)
         # NOTE: take() waits until the previous layer's copies from this staging completed
         flat = staging.take((n * per_req,))
-        step = -(-n // GATHER_CHUNKS)
+        step = max(1, -(-n // GATHER_CHUNKS))
         for c0 in range(0, n, step):
             c1 = min(n, c0 + step)
             host = flat[c0 * per_req : c1 * per_req].view(2, c1 - c0, hkv, kmax, kp.shape[3])

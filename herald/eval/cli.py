@@ -239,6 +239,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         control=not args.no_control,
         analysis=args.analysis_examples > 0,
     )
+    plan_keys = [u.key for u in units]
     k, n = args.part
     units = units[k - 1 :: n]
     runs = out / "runs"
@@ -254,7 +255,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     (out / "examples").mkdir(exist_ok=True)
     todo = [u for u in units if not (runs / f"{u.key}.json").is_file()]
-    record_planned(out, [u.key for u in units])
     print(
         f"{len(units)} units in part {k}/{n}, {len(units) - len(todo)} already done",
         file=sys.stderr,
@@ -339,6 +339,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             pairs = res["analysis"]["summary"]["num_pairs"]
             bar.write(f"{unit.key}: {pairs} block pairs in {res['seconds_total']:.1f} s")
     bar.close()
+    # NOTE: recorded only once the call got through its units (a call refused mid-way, e.g. by a
+    # different example selection under this --out, must not list its plan as "not run yet").
+    record_planned(out, plan_keys)
     if skipped:
         print(
             f"time limit: {len(skipped)} unit(s) not started ({', '.join(u.key for u in skipped)});"

@@ -360,8 +360,9 @@ PLANNED_NAME = "planned.json"
 
 
 def record_planned(out: Path, keys: list[str]) -> None:
-    """Add ``keys`` (unit keys a command will run) to ``out/planned.json``, so that the report
-    can list the ones that have no result yet (a time limit, a crash, a part not yet run)."""
+    """Add ``keys`` (the unit keys of a command's whole plan, every part) to
+    ``out/planned.json``, so that the report can list the ones without a result yet (a time
+    limit, a part not run yet)."""
     path = out / PLANNED_NAME
     known: list[str] = json.loads(path.read_text())["units"] if path.is_file() else []
     merged = sorted(set(known) | set(keys))
@@ -370,11 +371,12 @@ def record_planned(out: Path, keys: list[str]) -> None:
 
 
 def not_run(out: Path, done: set[str]) -> list[str]:
-    """Planned unit keys (``out/planned.json``) without a result under ``out/runs``."""
-    path = out / PLANNED_NAME
-    if not path.is_file():
-        return []
-    return [k for k in json.loads(path.read_text())["units"] if k not in done]
+    """Planned unit keys without a result: the union of every ``planned.json`` under ``out``
+    (parts copied into sub-folders merge, like their results), minus ``done``."""
+    planned: set[str] = set()
+    for path in out.rglob(PLANNED_NAME):
+        planned.update(json.loads(path.read_text())["units"])
+    return sorted(planned - done)
 
 
 def write_report(out: Path) -> Path:
@@ -447,9 +449,9 @@ def write_report(out: Path) -> Path:
     if missing:
         notes.insert(
             0,
-            f"**Not run yet: {len(missing)} planned unit(s)** (a time limit, an error, or a part "
-            f"not run), absent from every table above: {', '.join(missing)}. Rerun the same "
-            "command with the same --out to continue.",
+            f"**Not run yet: {len(missing)} planned unit(s)** (stopped by a time limit, or in a "
+            f"part not run yet), absent from every table above: {', '.join(missing)}. Rerun the "
+            "same command (or run the missing part) with the same --out to continue.",
         )
     readme.write_text(markdown(units, selections, analysis) + "".join(f"\n{n}\n" for n in notes))
     return readme

@@ -379,22 +379,24 @@ class Run:
         storage: every weight rounded to bf16. None without held-out windows."""
         if self.data.val_windows.shape[0] == 0:
             return None
-        saved = []
-        with torch.no_grad():
-            for p in self.model.parameters():  # a tied embedding is yielded once
-                saved.append((p, p.detach().clone()))
-                if self.storage == "int8" and p.dim() >= 2:
-                    rows = p.detach().reshape(-1, p.shape[-1])
-                    q, scale = quantize_rowwise(rows)
-                    p.copy_(dequantize_rowwise(q, scale, p.dtype).reshape(p.shape).to(p.device))
-                else:
-                    p.copy_(p.to(torch.bfloat16))
+        # NOTE: the training weights wait on the CPU: a GPU copy of every weight right after
+        # training (optimizer state still held) could run out of memory and lose the run.
+        saved = [(p, p.detach().to("cpu", copy=True)) for p in self.model.parameters()]
         try:
+            with torch.no_grad():
+                for p in self.model.parameters():  # a tied embedding is yielded once
+                    if self.storage == "int8" and p.dim() >= 2:
+                        rows = p.detach().reshape(-1, p.shape[-1])
+                        q, scale = quantize_rowwise(rows)
+                        w = dequantize_rowwise(q, scale, p.dtype).reshape(p.shape)
+                        p.copy_(w.to(p.device))
+                    else:
+                        p.copy_(p.to(torch.bfloat16))
             return self.validate()
         finally:
             with torch.no_grad():
                 for p, w in saved:
-                    p.copy_(w)
+                    p.copy_(w.to(p.device))
 
     def save(
         self, run_summary: dict[str, Any], val_loss: float | None, val_stored: float | None = None

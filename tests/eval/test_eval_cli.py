@@ -86,3 +86,17 @@ def test_eval_labels_the_bundled_checkpoint_as_trained():
     assert info["random_weights"] is False and len(info["config_sha256"]) == 64
     _, config, _ = load_model("tiny-sdar", "cpu")
     assert _model_info(argparse.Namespace(model="tiny-sdar"), config)["random_weights"] is True
+
+
+def test_report_names_the_planned_units_of_parts_not_run(tmp_path):
+    """--part 1/2 runs 2 of the 3 units: its report names the third; once part 2 ran into a
+    sibling folder, the report over both (merged) names none."""
+    out = tmp_path / "eval"
+    assert main([*ARGS, "--out", str(out / "p1"), "--part", "1/2"]) == 0
+    res = json.loads((out / "p1" / "results.json").read_text())
+    assert res["not_run"] == ["line_256_analysis"]
+    assert "Not run yet: 1 planned unit(s)" in (out / "p1" / "README.md").read_text()
+    assert main([*ARGS, "--out", str(out / "p2"), "--part", "2/2"]) == 0
+    assert main(["eval", "--report", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["not_run"] == []
+    assert "Not run yet" not in (out / "README.md").read_text()
