@@ -403,24 +403,20 @@ def targets(d: Data) -> list[str]:
                 for v in ("mage", "infinigen"):
                     orecs = d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
                     other = peak(orecs)
+                    head = (
+                        f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
+                        f"{top['decode_tokens_per_s']:.0f}{hnote} vs {v}"
+                    )
                     if other is None:
-                        head = (
-                            f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
-                            f"{top['decode_tokens_per_s']:.0f}{hnote} vs {v}: "
-                        )
                         if orecs:  # measured, and not one batch fit: HERALD ran, it did not
-                            lines.append(f"{head}no batch fits ({stop_reason(orecs)}): **met**")
+                            lines.append(f"{head}: no batch fits ({stop_reason(orecs)}): **met**")
                         else:  # no points (none yet, or superseded): decide nothing
-                            lines.append(f"{head}**not measured**")
+                            lines.append(f"{head}: **not measured**")
                         continue
                     ok = top["decode_tokens_per_s"] > other["decode_tokens_per_s"]
                     open_ = _open(hr, m, ctx, "herald") or _open(orecs, m, ctx, v)
                     verdict = "pending (sweep incomplete)" if open_ else ("met" if ok else "missed")
-                    lines.append(
-                        f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD "
-                        f"{top['decode_tokens_per_s']:.0f}{hnote} vs {v} {other['decode_tokens_per_s']:.0f} tok/s: "
-                        f"**{verdict}**"
-                    )
+                    lines.append(f"{head} {other['decode_tokens_per_s']:.0f} tok/s: **{verdict}**")
                     if not ok and not open_:
                         lines += diagnose(d, hr, other)
     return lines

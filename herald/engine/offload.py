@@ -27,6 +27,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -822,21 +823,18 @@ class OffloadEngine:
         ids = self.cpu_pool.pages(self.batch.requests[i].request_id)[:n]
         pool = self.cpu_pool
         shape = (2, n, pool.num_kv_heads, pool.page_size, pool.head_dim)
-        if not self.cuda:
-            pages = torch.empty(shape, dtype=pool.dtype)
-            for kv in (0, 1):
-                pool.copy_pages(pl, kv, ids, pages[kv])
-            return pages.to(self.device), None
-        assert self._copy_stream is not None  # made (and ordered after main) by the caller
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
+        # made (and ordered after the main stream) by the caller on CUDA
+        on_copy_stream = torch.cuda.stream(self._copy_stream) if self.cuda else nullcontext()
+        with on_copy_stream:
             pages = torch.empty(shape, dtype=pool.dtype, device=self.device)
             for kv in (0, 1):
                 pool.copy_pages(pl, kv, ids, pages[kv])
+            if not self.cuda:
+                return pages, None
             ready = torch.cuda.Event()
             ready.record()
         # NOTE: allocated on the copy stream, read and freed on the main stream.
-        pages.record_stream(main)
+        pages.record_stream(torch.cuda.current_stream(self.device))
         return pages, ready
 
     def _full_rows(
@@ -932,11 +930,37 @@ class OffloadEngine:
             # the main stream so far, device-to-host writes into the pool included (host writes
             # into it are synchronous).
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        outs: list[torch.Tensor] = []
+        b, buf = self.block_size, self.pool.active
+        outs = []
         starts = self.batch.starts()
         fetched: dict[int, tuple[torch.Tensor, Any]] = {}
         try:
-            self._mage_requests(layer, q, k, v, starts, fetched, outs)
+            for i, st in enumerate(starts):
+                # Copies run up to MAGE_FETCH_AHEAD requests ahead of the attention that reads them.
+                for j in range(i, min(len(starts), i + MAGE_FETCH_AHEAD)):
+                    if j not in fetched:
+                        fetched[j] = self._fetch_full(layer, j, starts[j])
+                kr, vr = self._full_rows(fetched.pop(i), st)
+                # [Hkv, padded(st + B), D]: the key length rounded up to a multiple of kv_pad (zero
+                # rows, masked) in the same copy, so the exact attention rounds like the dense
+                # engine's step over the same keys
+                n = st + b
+                pad = kr.new_zeros(kr.shape[0], padded_kv_len(n, self.kv_pad) - n, kr.shape[2])
+                keys = torch.cat([kr, k[i].transpose(0, 1), pad], dim=1)
+                vals = torch.cat([vr, v[i].transpose(0, 1), pad], dim=1)
+                if self.kv_pad:  # masked even when n is a multiple, as SlotAttention always is
+                    outs.append(
+                        attend_prefix_and_tail(
+                            q[i : i + 1], keys[None], vals[None], [n], [n], 0, self.kv_pad
+                        )
+                    )
+                else:
+                    outs.append(_sdpa_folded(q[i : i + 1], keys[None], vals[None], None))
+                kk = self.k_sel[i]
+                idx = select_topk_rows(q[i], keys, n, self.last_len[i] + b, kk)
+                gi = idx[..., None].expand(-1, -1, keys.shape[-1])
+                self.pool.k(buf, layer)[i, :, :kk] = keys.gather(1, gi)
+                self.pool.v(buf, layer)[i, :, :kk] = vals.gather(1, gi)
         finally:
             # NOTE: copies still in flight after an error must not go unseen: the main stream
             # waits for them, so its next synchronization (before any host write into the
@@ -945,45 +969,6 @@ class OffloadEngine:
                 if ready is not None:
                     torch.cuda.current_stream(self.device).wait_event(ready)
         return torch.cat(outs)
-
-    def _mage_requests(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        starts: list[int],
-        fetched: dict[int, tuple[torch.Tensor, Any]],
-        outs: list[torch.Tensor],
-    ) -> None:
-        """The per-request body of :meth:`_mage_layer_gpu` (attention outputs into ``outs``)."""
-        b, buf = self.block_size, self.pool.active
-        for i, st in enumerate(starts):
-            # Copies run up to MAGE_FETCH_AHEAD requests ahead of the attention that reads them.
-            for j in range(i, min(len(starts), i + MAGE_FETCH_AHEAD)):
-                if j not in fetched:
-                    fetched[j] = self._fetch_full(layer, j, starts[j])
-            kr, vr = self._full_rows(fetched.pop(i), st)
-            # [Hkv, padded(st + B), D]: the key length rounded up to a multiple of kv_pad (zero
-            # rows, masked) in the same copy, so the exact attention rounds like the dense
-            # engine's step over the same keys
-            n = st + b
-            pad = kr.new_zeros(kr.shape[0], padded_kv_len(n, self.kv_pad) - n, kr.shape[2])
-            keys = torch.cat([kr, k[i].transpose(0, 1), pad], dim=1)
-            vals = torch.cat([vr, v[i].transpose(0, 1), pad], dim=1)
-            if self.kv_pad:  # masked even when n is a multiple, as SlotAttention always is
-                outs.append(
-                    attend_prefix_and_tail(
-                        q[i : i + 1], keys[None], vals[None], [n], [n], 0, self.kv_pad
-                    )
-                )
-            else:
-                outs.append(_sdpa_folded(q[i : i + 1], keys[None], vals[None], None))
-            kk = self.k_sel[i]
-            idx = select_topk_rows(q[i], keys, n, self.last_len[i] + b, kk)
-            gi = idx[..., None].expand(-1, -1, keys.shape[-1])
-            self.pool.k(buf, layer)[i, :, :kk] = keys.gather(1, gi)
-            self.pool.v(buf, layer)[i, :, :kk] = vals.gather(1, gi)
 
     def _mage_layer_cpu(self, layer: int, q, k, v) -> torch.Tensor:
         """Exact attention + top-k with the CPU kernel (B queries, n_q = B)."""
