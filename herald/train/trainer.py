@@ -481,12 +481,13 @@ class Run:
             "history": self.history,
         }
         write_json(log_file, log)
+        as_saved = "" if val_stored is None else f" ({val_stored:.4f} as saved, {self.storage})"
         self.log(
             f"saved {out} ({nbytes / 1e6:.1f} MB), state {state_file}, log {log_file}; "
             f"global step {self.global_step}, {self.tokens_seen / 1e6:.1f} M tokens, "
             f"final loss {run_summary['final_loss']:.4f}, stdlib val loss "
             + (f"{val_loss:.4f}" if val_loss is not None else "n/a")
-            + (f" ({val_stored:.4f} with the int8 weights saved)" if val_stored is not None else "")
+            + as_saved
         )
         return log
 
