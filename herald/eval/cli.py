@@ -30,7 +30,7 @@ import torch
 from herald.config import resolve_device
 from herald.eval.recall import AnalysisConfig
 from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
-from herald.eval.tasks import TASKS, TaskConfig
+from herald.eval.tasks import LINE_SETTINGS, TASKS, TaskConfig
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -78,6 +78,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true", help="skip the no-context control")
     p.add_argument("--min-distance", type=int, default=2000, help="recall: tokens def -> use")
     p.add_argument("--infile-tokens", type=int, default=1024, help="line: in-file prefix cap")
+    p.add_argument(
+        "--line-setting",
+        choices=LINE_SETTINGS,
+        default=LINE_SETTINGS[0],
+        help="line: target lines, RepoBench's settings (cross_file_first: first use of a name "
+        "imported from another file, absent from the control window)",
+    )
     p.add_argument("--seed", type=int, default=0, help="example selection seed")
     p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")
     p.add_argument(
@@ -222,6 +229,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         control_tokens=args.control_tokens,
         infile_tokens=args.infile_tokens,
         min_distance=args.min_distance,
+        line_setting=args.line_setting,
     )
     acfg = AnalysisConfig(
         oracle_budget=args.oracle_budget,

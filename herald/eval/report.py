@@ -177,7 +177,9 @@ def markdown(
         "",
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
         "with sha256 of every file): **line** = RepoBench-P-style next-line completion (cross-file context + in-file "
-        "prefix; EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
+        f"prefix of at most {cfg.get('tasks', {}).get('infile_tokens', '?')} tokens; targets: "
+        f"{cfg.get('tasks', {}).get('line_setting', 'tiered random lines, no import statements (older runs)')}; "
+        "EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
         f"use of an identifier defined at least {cfg.get('tasks', {}).get('min_distance', '?')} tokens earlier "
         "and absent from the last "
         f"{cfg.get('decode', {}).get('control_tokens', 512)} tokens (headline = EM). **control** = dense on only the "

@@ -5,18 +5,28 @@ Two tasks, both deterministic for a seed and a tokenizer:
 ``line`` (RepoBench-P style next-line completion)
     Pick a package (``email/``, ``asyncio/``, ...), a file of it and a target line. The prompt is
     the package's other files, each under a ``# file: path`` header, ordered least to most related
-    (the files the target imports sit last, next to it), then the target file's own header and
-    its prefix up to the target line, ending at the last non-blank character before it (see
-    ``line_prompt_text``: a prompt ending in a newline would be a token boundary the model never
-    saw before an indented line). The cross-file part is truncated from the LEFT so that the
-    prompt is ``context`` tokens; the in-file prefix is always kept (capped at ``infile_tokens``
-    tokens, itself truncated from the left when longer, after its ``# file:`` header, which is
-    kept). Target lines are single-line statements
-    of 10-160 characters that are not comments, docstrings or imports and do not already occur in
-    the file above; lines that use a name imported from another file of the package are preferred
-    (tier 2), then lines using a name defined at top level in another file (tier 1), then any
-    (tier 0). The line choice does not depend on ``context``: the same targets are asked at every
-    context length (paired), only the amount of cross-file context changes.
+    (the files the target imports sit last, next to it), then the target file's in-file context,
+    ending at the last non-blank character before the target line (see ``line_prompt_text``: a
+    prompt ending in a newline would be a token boundary the model never saw before an indented
+    line). The cross-file part is truncated from the LEFT so that the prompt is ``context``
+    tokens; the in-file context is always kept, capped at ``infile_tokens`` tokens: when the
+    prefix is longer, it is (as RepoBench's ``import_statement`` + ``cropped_code``) the file's
+    ``# file:`` header, its module-level import statements (at most half the cap) and the code
+    just above the target, cut on the left. Target lines are single-line statements of 10-160
+    characters that are not comments, docstrings, imports or decorators and do not already occur
+    in the file above. Two settings, after RepoBench's (``TaskConfig.line_setting``):
+
+    - ``cross_file_first`` (default): the line where a name the file imports from another file
+      of its package is first used, and none of the names it first uses occurs in the last
+      ``control_tokens`` tokens of the prompt: the no-context control cannot copy them, only the
+      long context (the import statements and the other files) holds them.
+    - ``cross_file_random``: a random line, preferring lines that use a name imported from
+      another file of the package (tier 2), then lines using a name defined at top level in
+      another file (tier 1), then any (tier 0).
+
+    The same targets are asked at every context length (paired; the in-file context and the
+    control window do not depend on it once ``context`` holds both), only the amount of
+    cross-file context changes.
 
 ``recall`` (long-range identifier recall)
     In one file, an identifier defined (``def``/``class``, a module- or class-level assignment, or
@@ -51,6 +61,7 @@ from typing import Any
 from herald.eval.sources import Corpus, SourceFile, TextCodec
 
 TASKS = ("line", "recall")
+LINE_SETTINGS = ("cross_file_first", "cross_file_random")
 
 COMMON_NAMES = frozenset(
     """self cls args kwargs name value values key keys data result results path obj func text
@@ -103,6 +114,10 @@ class TaskConfig:
     min_package_chars: int = 60_000
     """line: packages with fewer characters of eligible source are skipped (too little context
     for 16K tokens)."""
+    line_setting: str = "cross_file_first"
+    """line: which target lines (RepoBench's settings, :data:`LINE_SETTINGS`): the first use of a
+    name imported from another file of the package, absent from the control window
+    (``cross_file_first``), or a random line preferring such uses (``cross_file_random``)."""
 
 
 def selection_hash(examples: list[Example]) -> str:
@@ -133,6 +148,8 @@ def build_examples(
             ``cfg.min_distance + cfg.distance_margin`` (recall).
     """
     if task == "line":
+        if cfg.line_setting not in LINE_SETTINGS:
+            raise ValueError(f"unknown line setting {cfg.line_setting!r}; one of {LINE_SETTINGS}")
         return _build_line(corpus, codec, context, num_examples, cfg)
     if task == "recall":
         return _build_recall(corpus, codec, context, num_examples, cfg)
@@ -226,15 +243,13 @@ def _imported_package_names(f: SourceFile) -> set[str]:
     return out
 
 
-def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[tuple[int, int]]:
-    """Eligible target lines of ``f``: ``(row, tier)``, row 1-based (see the module docstring)."""
+def _statements(f: SourceFile) -> list[tuple[int, list[tokenize.TokenInfo], bool]]:
+    """Every logical statement of ``f`` in order: ``(row, tokens, single_line)``, row 1-based,
+    tokens without comments, NL, INDENT and DEDENT."""
     toks = _tokens(f)
     if toks is None:
         return []
-    out: list[tuple[int, int]] = []
-    first_row: dict[str, int] = {}  # stripped text -> first line holding it
-    for i, line in enumerate(f.lines, 1):
-        first_row.setdefault(line.strip(), i)
+    out: list[tuple[int, list[tokenize.TokenInfo], bool]] = []
     logical: list[tokenize.TokenInfo] = []
     for tok in toks:
         if tok.type in _SKIP or tok.type == tokenize.ENCODING:
@@ -243,27 +258,73 @@ def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[t
             logical.append(tok)
             continue
         stmt, logical = logical, []
-        if not stmt:
+        if stmt:
+            row = stmt[0].start[0]
+            single = all(t.start[0] == row and t.end[0] == row for t in stmt)
+            out.append((row, stmt, single))
+    return out
+
+
+def _free_names(stmt: list[tokenize.TokenInfo]) -> set[str]:
+    """Names of ``stmt`` that are not attributes: in ``self.wait()`` the attribute ``wait`` is
+    not the ``wait`` another file defines."""
+    return {
+        t.string
+        for i, t in enumerate(stmt)
+        if t.type == tokenize.NAME and not (i and stmt[i - 1].string == ".")
+    }
+
+
+def _eligible_target(
+    f: SourceFile, row: int, stmt: list[tokenize.TokenInfo], single: bool, first_row: dict[str, int]
+) -> bool:
+    """A single-line statement of 10-160 characters, not a comment, docstring, import or
+    decorator, at line 5 or later, not a repeat of a line above."""
+    if not single or stmt[0].type == tokenize.STRING or stmt[0].string in ("import", "from", "@"):
+        return False
+    text = f.lines[row - 1].strip()
+    words = {t.string for t in stmt if t.type == tokenize.NAME and not keyword.iskeyword(t.string)}
+    return (
+        10 <= len(text) <= 160
+        and not text.startswith("#")
+        and row >= 5
+        and bool(words)
+        and first_row.get(text) == row
+    )
+
+
+def _first_rows(f: SourceFile) -> dict[str, int]:
+    first_row: dict[str, int] = {}  # stripped text -> first line holding it
+    for i, line in enumerate(f.lines, 1):
+        first_row.setdefault(line.strip(), i)
+    return first_row
+
+
+def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[tuple[int, int]]:
+    """``cross_file_random`` targets of ``f``: ``(row, tier)``, row 1-based (module docstring)."""
+    first_row = _first_rows(f)
+    out: list[tuple[int, int]] = []
+    for row, stmt, single in _statements(f):
+        if _eligible_target(f, row, stmt, single, first_row):
+            free = _free_names(stmt)
+            out.append((row, 2 if free & cross else 1 if free & package else 0))
+    return out
+
+
+def first_use_candidates(f: SourceFile, cross: set[str]) -> list[tuple[int, list[str]]]:
+    """``cross_file_first`` targets of ``f``: ``(row, names)`` for each line that is the first
+    use (as a free name, outside import statements) of names ``f`` imports from another file of
+    its package, when that line is an eligible target (module docstring)."""
+    first_row = _first_rows(f)
+    seen: set[str] = set()
+    out: list[tuple[int, list[str]]] = []
+    for row, stmt, single in _statements(f):
+        if stmt[0].string in ("import", "from"):
             continue
-        row = stmt[0].start[0]
-        if any(t.start[0] != row or t.end[0] != row for t in stmt):
-            continue  # spans several physical lines
-        if stmt[0].type == tokenize.STRING or stmt[0].string in ("import", "from", "@"):
-            continue
-        text = f.lines[row - 1].strip()
-        names = {t.string for t in stmt if t.type == tokenize.NAME}
-        words = {n for n in names if not keyword.iskeyword(n)}
-        # Tiers look at free names only: in ``self.wait()`` the attribute ``wait`` is not the
-        # ``wait`` another file defines.
-        free = {
-            t.string
-            for i, t in enumerate(stmt)
-            if t.type == tokenize.NAME and not (i and stmt[i - 1].string == ".")
-        }
-        ok = 10 <= len(text) <= 160 and not text.startswith("#") and row >= 5 and words
-        if ok and first_row[text] == row:  # not a repeat of a line above
-            tier = 2 if free & cross else 1 if free & package else 0
-            out.append((row, tier))
+        new = sorted((_free_names(stmt) & cross) - seen)
+        seen.update(new)
+        if new and _eligible_target(f, row, stmt, single, first_row):
+            out.append((row, new))
     return out
 
 
@@ -272,6 +333,27 @@ def line_prompt_text(f: SourceFile, row: int) -> str:
     and the lines above the target, with the trailing whitespace (the newline before the target
     and any blank lines) removed."""
     return (f.header + "".join(f.lines[: row - 1])).rstrip()
+
+
+def import_statements(f: SourceFile, before: int) -> list[str]:
+    """The module-level import statements of ``f`` that start above line ``before`` (1-based),
+    in file order, each as its source lines (RepoBench's ``import_statement``). Imports nested
+    in a top-level ``try``/``if`` count; those inside functions and classes do not."""
+    if f.tree is None:
+        return []
+    rows: list[tuple[int, int]] = []
+    todo: list[ast.stmt] = list(f.tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            if node.lineno < before:
+                rows.append((node.lineno, node.end_lineno or node.lineno))
+        elif isinstance(node, ast.Try | ast.If):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", []))
+            for h in getattr(node, "handlers", []):
+                todo.extend(h.body)
+    rows.sort()
+    return ["".join(f.lines[a - 1 : b]) for a, b in rows]
 
 
 def _line_prompt(
@@ -286,16 +368,28 @@ def _line_prompt(
     text = line_prompt_text(f, row)
     ratio = len(f.chunk()) / max(1, len(corpus.chunk_ids(f.rel)))  # characters per token
     infile, truncated = _encode_tail(codec, text, cap, ratio)
-    if truncated:  # keep the header: which file the target line is in
+    import_tokens = 0
+    if truncated:
+        # As RepoBench's in-file context: the file's header and import statements, then the
+        # code just above the target (cut on the left). Imports beyond half the cap are dropped
+        # from the end, whole statements at a time.
         head = codec.encode(f.header)
+        imp: list[int] = []
+        for stmt in import_statements(f, row):
+            more = codec.encode(stmt)
+            if len(head) + len(imp) + len(more) > cap // 2:
+                break
+            imp += more
         if len(head) < cap:
-            body, _ = _encode_tail(codec, text[len(f.header) :], cap - len(head), ratio)
-            infile = head + body
+            body, _ = _encode_tail(codec, text[len(f.header) :], cap - len(head) - len(imp), ratio)
+            infile = head + imp + body
+            import_tokens = len(imp)
     others = [r for r in corpus.packages[f.package] if r != f.rel]
     ctx, used = _fill_left(corpus, corpus.related_order(f.rel, others), context - len(infile))
     meta = {
         "infile_tokens": len(infile),
         "infile_truncated": truncated,
+        "import_tokens": import_tokens,
         "context_files": used,
     }
     return ctx + infile, meta
@@ -318,54 +412,124 @@ def _build_line(
     names_cache: dict[str, set[str]] = {}
     chosen: set[tuple[str, int]] = set()
     examples: list[Example] = []
+    pools = _first_use_pools(corpus, pkgs, rng) if cfg.line_setting == "cross_file_first" else {}
     misses = 0
     i = 0
     while len(examples) < n and misses < 4 * len(pkgs):
         pkg = pkgs[i % len(pkgs)]
         i += 1
-        files = corpus.packages[pkg]
-        best: tuple[int, SourceFile, list[int]] | None = None
-        for _ in range(4):  # a few files; keep the one with the best tier
-            f = corpus.read(rng.choice(files))
-            if f is None or f.tree is None:
+        if cfg.line_setting == "cross_file_first":
+            pick = _pick_first_use(corpus, codec, pools[pkg], context, cfg)
+            if pick is None:  # this package's pool ran out
+                if not any(pools.values()):
+                    break  # every candidate tried
                 continue
-            package_names: set[str] = set()
-            for r in files:
-                if r != f.rel:
-                    if r not in names_cache:
-                        other = corpus.read(r)
-                        names_cache[r] = _module_names(other) if other is not None else set()
-                    package_names |= names_cache[r]
-            cands = line_candidates(f, _imported_package_names(f), package_names)
-            cands = [(row, t) for row, t in cands if (f.rel, row) not in chosen]
-            if not cands:
-                continue
-            tier = max(t for _, t in cands)
-            if best is None or tier > best[0]:
-                best = (tier, f, [row for row, t in cands if t == tier])
-            if tier == 2:
-                break
-        if best is None:
+        else:
+            pick = _pick_random_use(
+                corpus, codec, corpus.packages[pkg], context, cfg, rng, chosen, names_cache
+            )
+        if pick is None:
             misses += 1
             continue
-        tier, f, rows = best
-        row = rng.choice(rows)
+        f, row, choice, ids, prompt_meta = pick
         chosen.add((f.rel, row))
-        ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
         target = f.lines[row - 1].rstrip("\r\n")
         meta = {
             "package": pkg,
             "file": f.rel,
             "sha256": f.sha256,
             "line": row,
-            "tier": tier,
+            **choice,
             "prompt_tokens": len(ids),
-            **meta,
+            **prompt_meta,
         }
         examples.append(
             Example(f"line-{context}-{len(examples):03d}", "line", context, ids, target, meta)
         )
     return examples
+
+
+_Pick = tuple[SourceFile, int, dict[str, Any], list[int], dict[str, Any]]
+"""A chosen target: file, row, the choice's meta, prompt ids and the prompt's meta."""
+
+
+def _first_use_pools(
+    corpus: Corpus, pkgs: list[str], rng: random.Random
+) -> dict[str, list[tuple[SourceFile, int, list[str]]]]:
+    """``cross_file_first``: every first-use candidate of each package (file, row, names), in a
+    seeded random order; :func:`_pick_first_use` pops them."""
+    pools: dict[str, list[tuple[SourceFile, int, list[str]]]] = {}
+    for pkg in pkgs:
+        pool = []
+        for rel in corpus.packages[pkg]:
+            f = corpus.read(rel)
+            if f is not None and f.tree is not None:
+                cross = _imported_package_names(f)
+                pool += [(f, row, names) for row, names in first_use_candidates(f, cross)]
+        rng.shuffle(pool)
+        pools[pkg] = pool
+    return pools
+
+
+def _pick_first_use(
+    corpus: Corpus,
+    codec: TextCodec,
+    pool: list[tuple[SourceFile, int, list[str]]],
+    context: int,
+    cfg: TaskConfig,
+) -> _Pick | None:
+    """``cross_file_first``: the next candidate of ``pool`` (popped) none of whose first-used
+    names occurs in the control window (the last ``control_tokens`` prompt tokens), so that only
+    the long context holds the names' import and definition; None when ``pool`` runs out."""
+    while pool:
+        f, row, names = pool.pop()
+        ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
+        window = codec.decode(ids[-cfg.control_tokens :])
+        if not {m.group(0) for m in _WORD.finditer(window)} & set(names):
+            return f, row, {"setting": "cross_file_first", "names": names}, ids, meta
+    return None
+
+
+def _pick_random_use(
+    corpus: Corpus,
+    codec: TextCodec,
+    files: list[str],
+    context: int,
+    cfg: TaskConfig,
+    rng: random.Random,
+    chosen: set[tuple[str, int]],
+    names_cache: dict[str, set[str]],
+) -> _Pick | None:
+    """``cross_file_random``: a random line of the best tier among a few files (tier 2 uses a
+    name imported from another file of the package, tier 1 a name defined at top level in
+    another file, tier 0 any); None if no file has an eligible line."""
+    best: tuple[int, SourceFile, list[int]] | None = None
+    for _ in range(4):  # a few files; keep the one with the best tier
+        f = corpus.read(rng.choice(files))
+        if f is None or f.tree is None:
+            continue
+        package_names: set[str] = set()
+        for r in files:
+            if r != f.rel:
+                if r not in names_cache:
+                    other = corpus.read(r)
+                    names_cache[r] = _module_names(other) if other is not None else set()
+                package_names |= names_cache[r]
+        cands = line_candidates(f, _imported_package_names(f), package_names)
+        cands = [(row, t) for row, t in cands if (f.rel, row) not in chosen]
+        if not cands:
+            continue
+        tier = max(t for _, t in cands)
+        if best is None or tier > best[0]:
+            best = (tier, f, [row for row, t in cands if t == tier])
+        if tier == 2:
+            break
+    if best is None:
+        return None
+    tier, f, rows = best
+    row = rng.choice(rows)
+    ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
+    return f, row, {"setting": "cross_file_random", "tier": tier}, ids, meta
 
 
 # -- long-range recall ----------------------------------------------------------------------------

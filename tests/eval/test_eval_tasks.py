@@ -11,11 +11,13 @@ import re
 import pytest
 from eval_helpers import SMALL, stdlib_corpus, tokenizer
 
-from herald.eval.sources import Corpus
+from herald.eval.sources import Corpus, SourceFile
 from herald.eval.tasks import (
     TaskConfig,
     build_examples,
     eligible_identifier,
+    first_use_candidates,
+    import_statements,
     line_candidates,
     selection_hash,
 )
@@ -82,11 +84,18 @@ def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, 
         n_in = ex.meta["infile_tokens"]
         assert n_in == min(len(infile), 64)
         assert len(ex.prompt_ids) == 1024  # stdlib packages are far longer than 1K bytes
-        if ex.meta["infile_truncated"]:  # the header, then the tail of the prefix
+        if ex.meta["infile_truncated"]:  # the header, the imports that fit, the prefix's tail
             header = f"# file: {f.rel}\n".encode()
-            tail = infile[-(n_in - len(header)) :]
-            assert bytes(ex.prompt_ids[-n_in:]) == header + tail
+            imports = b""
+            for stmt in import_statements(f, ex.meta["line"]):
+                if len(header) + len(imports) + len(stmt.encode()) > 64 // 2:
+                    break
+                imports += stmt.encode()
+            assert ex.meta["import_tokens"] == len(imports)
+            tail = infile[-(n_in - len(header) - len(imports)) :]
+            assert bytes(ex.prompt_ids[-n_in:]) == header + imports + tail
         else:
+            assert ex.meta["import_tokens"] == 0
             assert bytes(ex.prompt_ids[-n_in:]) == infile  # the in-file prefix, kept
         # The rest is the tail of the related files' chunks, most related last.
         files = ex.meta["context_files"]
@@ -111,6 +120,62 @@ def test_line_candidates_prefer_cross_file_names(corpus):
     text += "        return wait(self, timeout=2)\n"
     g = SourceFile("p.py", text, "0")
     assert dict(line_candidates(g, {"wait"}, set())) == {5: 0, 6: 0, 7: 2}
+
+
+def test_cross_file_first_targets_first_use_a_name_absent_from_the_control_window(
+    corpus, line_ex
+):
+    for ex in line_ex:
+        assert ex.meta["setting"] == "cross_file_first" and ex.meta["names"]
+        window = bytes(ex.prompt_ids[-SMALL.control_tokens :]).decode(errors="replace")
+        for name in ex.meta["names"]:
+            assert re.search(rf"\b{name}\b", ex.target)
+            assert not re.search(rf"\b{name}\b", window)
+            f = corpus.read(ex.meta["file"])
+            above = f.lines[: ex.meta["line"] - 1]  # imported above (module level or local)
+            imports = [ln for ln in above if ln.lstrip().startswith(("import ", "from "))]
+            assert any(re.search(rf"\b{name}\b", ln) for ln in imports) or re.search(
+                rf"import \([^)]*\b{name}\b", "".join(above)
+            )
+
+
+def test_first_use_candidates_and_import_statements():
+    text = (
+        "import os\n"
+        "from .a import (x,\n"
+        "    y)\n"
+        "try:\n"
+        "    from .b import z\n"
+        "except ImportError:\n"
+        "    z = None\n"
+        "\n"
+        "def f():\n"
+        "    import json\n"
+        "    q = obj.x + 1\n"  # an attribute: not a use of x
+        "    return x(y)\n"  # first use of x and y
+        "v = x(2) + z.w\n"  # x again; first use of z
+        "from .c import late\n"
+    )
+    g = SourceFile("p/m.py", text, "0")
+    assert import_statements(g, 99) == [
+        "import os\n",
+        "from .a import (x,\n    y)\n",
+        "    from .b import z\n",
+        "from .c import late\n",
+    ]
+    assert import_statements(g, 14) == import_statements(g, 99)[:3]  # only those above the row
+    # z first occurs in the fallback ``z = None`` (too short to be a target), so line 13 is not
+    # its first use: a name whose first use is not an eligible line gives no target.
+    assert first_use_candidates(g, {"x", "y", "z", "late"}) == [(12, ["x", "y"])]
+
+
+def test_line_settings(corpus, tok):
+    cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random"})
+    ex = build_examples("line", corpus, tok, 1024, 4, cfg)
+    assert len(ex) == 4 and all(e.meta["setting"] == "cross_file_random" for e in ex)
+    assert all(e.meta["tier"] in (0, 1, 2) for e in ex)
+    with pytest.raises(ValueError, match="line setting"):
+        build_examples("line", corpus, tok, 1024, 1, TaskConfig(line_setting="nope"))
 
 
 def test_recall_constraints(corpus, tok, recall_ex):
