@@ -122,9 +122,7 @@ def test_line_candidates_prefer_cross_file_names(corpus):
     assert dict(line_candidates(g, {"wait"}, set())) == {5: 0, 6: 0, 7: 2}
 
 
-def test_cross_file_first_targets_first_use_a_name_absent_from_the_control_window(
-    corpus, line_ex
-):
+def test_cross_file_first_targets_first_use_a_name_absent_from_the_control_window(corpus, line_ex):
     for ex in line_ex:
         assert ex.meta["setting"] == "cross_file_first" and ex.meta["names"]
         window = bytes(ex.prompt_ids[-SMALL.control_tokens :]).decode(errors="replace")
