@@ -167,6 +167,11 @@ def _checkpoint_dir(model: str) -> Path | None:
 _RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples")
 """Settings a unit already under --out must share with this command to be skipped (the device
 may differ: parts of one evaluation can run on different machines)."""
+_OTHER_TASK_KEYS = {
+    "line": ("min_distance", "distance_margin"),
+    "recall": ("infile_tokens", "min_package_chars", "line_setting"),
+}
+"""Task settings that do not change a unit of this task (not compared on resume)."""
 
 
 def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
@@ -183,10 +188,11 @@ def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None
             if key not in old or old[key] == new[key]:
                 continue  # older results may lack a key: nothing to compare
             if isinstance(old[key], dict) and isinstance(new[key], dict):
+                skip = _OTHER_TASK_KEYS.get(u.task, ()) if key == "tasks" else ()
                 diff += [
                     f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
                     for k in sorted(old[key].keys() | new[key].keys())
-                    if old[key].get(k) != new[key].get(k)
+                    if old[key].get(k) != new[key].get(k) and k not in skip
                 ]
             else:
                 diff.append(f"{key}: {old[key]!r} -> {new[key]!r}")
@@ -289,6 +295,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             exs = build_examples(task, corpus, tokenizer, eff, args.num_examples, tcfg)
             if not exs:
                 raise ValueError(f"no {task} example could be built at context {eff}")
+            if len(exs) < args.num_examples:
+                print(
+                    f"NOTE: {task} at {context}: asked for {args.num_examples} examples, the "
+                    f"corpus has {len(exs)} eligible ones; running {len(exs)}",
+                    file=sys.stderr,
+                )
             sel = {
                 "task": task,
                 "context": context,

@@ -25,6 +25,15 @@ NEAR_LOSSLESS = 1.0
 """Points of average score below dense that count as near-lossless (paper §VI-B)."""
 
 
+_LINE_SETTING_TEXT = {
+    "cross_file_first": "`cross_file_first`, the first use of a name the file imports from another file of "
+    "its package, absent from the control window; the in-file context holds the file's imports",
+    "cross_file_random": "`cross_file_random`, random lines preferring uses of names imported from "
+    "other files of the package; the in-file context holds the file's imports",
+}
+_OLD_LINES = "tiered random lines, in-file context without its imports (runs before the settings)"
+
+
 def collect(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """(unit key -> result, "task_context" -> example selection) found under ``out``."""
     units: dict[str, dict[str, Any]] = {}
@@ -177,8 +186,8 @@ def markdown(
         "",
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
         "with sha256 of every file): **line** = RepoBench-P-style next-line completion (cross-file context + in-file "
-        f"prefix of at most {cfg.get('tasks', {}).get('infile_tokens', '?')} tokens; targets: "
-        f"{cfg.get('tasks', {}).get('line_setting', 'tiered random lines, no import statements (older runs)')}; "
+        f"context of at most {cfg.get('tasks', {}).get('infile_tokens', '?')} tokens or half the context; targets: "
+        f"{_LINE_SETTING_TEXT.get(cfg.get('tasks', {}).get('line_setting'), _OLD_LINES)}; "
         "EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
         f"use of an identifier defined at least {cfg.get('tasks', {}).get('min_distance', '?')} tokens earlier "
         "and absent from the last "

@@ -147,6 +147,9 @@ def build_examples(
         ValueError: unknown task, or ``context`` not above ``cfg.control_tokens`` /
             ``cfg.min_distance + cfg.distance_margin`` (recall).
     """
+    for name in ("control_tokens", "infile_tokens", "min_distance"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"TaskConfig.{name} must be >= 1, got {getattr(cfg, name)}")
     if task == "line":
         if cfg.line_setting not in LINE_SETTINGS:
             raise ValueError(f"unknown line setting {cfg.line_setting!r}; one of {LINE_SETTINGS}")
@@ -265,14 +268,29 @@ def _statements(f: SourceFile) -> list[tuple[int, list[tokenize.TokenInfo], bool
     return out
 
 
-def _free_names(stmt: list[tokenize.TokenInfo]) -> set[str]:
-    """Names of ``stmt`` that are not attributes: in ``self.wait()`` the attribute ``wait`` is
-    not the ``wait`` another file defines."""
-    return {
-        t.string
-        for i, t in enumerate(stmt)
-        if t.type == tokenize.NAME and not (i and stmt[i - 1].string == ".")
-    }
+def _loads_by_row(f: SourceFile) -> dict[int, set[str]]:
+    """Line -> the names read there (``ast.Name`` in ``Load`` context): uses, not bindings
+    (``def``/``class`` names, parameters, assignment targets, ``global``) and not attributes (in
+    ``self.wait()`` the attribute ``wait`` is not the ``wait`` another file defines)."""
+    out: dict[int, set[str]] = {}
+    if f.tree is not None:
+        for node in ast.walk(f.tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                out.setdefault(node.lineno, set()).add(node.id)
+    return out
+
+
+def _import_rows(f: SourceFile) -> dict[str, int]:
+    """Name -> the first line of an import statement (module level or local) that binds it."""
+    out: dict[str, int] = {}
+    if f.tree is not None:
+        for node in ast.walk(f.tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for a in node.names:
+                    name = a.asname or a.name.split(".")[0]
+                    if name != "*" and node.lineno < out.get(name, node.lineno + 1):
+                        out[name] = node.lineno
+    return out
 
 
 def _eligible_target(
@@ -301,31 +319,38 @@ def _first_rows(f: SourceFile) -> dict[str, int]:
 
 
 def line_candidates(f: SourceFile, cross: set[str], package: set[str]) -> list[tuple[int, int]]:
-    """``cross_file_random`` targets of ``f``: ``(row, tier)``, row 1-based (module docstring)."""
+    """``cross_file_random`` targets of ``f``: ``(row, tier)``, row 1-based (module docstring);
+    a line's tier counts the names it reads (:func:`_loads_by_row`)."""
     first_row = _first_rows(f)
+    loads = _loads_by_row(f)
     out: list[tuple[int, int]] = []
     for row, stmt, single in _statements(f):
         if _eligible_target(f, row, stmt, single, first_row):
-            free = _free_names(stmt)
-            out.append((row, 2 if free & cross else 1 if free & package else 0))
+            used = loads.get(row, set())
+            out.append((row, 2 if used & cross else 1 if used & package else 0))
     return out
 
 
 def first_use_candidates(f: SourceFile, cross: set[str]) -> list[tuple[int, list[str]]]:
-    """``cross_file_first`` targets of ``f``: ``(row, names)`` for each line that is the first
-    use (as a free name, outside import statements) of names ``f`` imports from another file of
-    its package, when that line is an eligible target (module docstring)."""
+    """``cross_file_first`` targets of ``f``: ``(row, names)`` for each eligible target line
+    that is the first line of the file to read (:func:`_loads_by_row`) names that ``f`` imports
+    from another file of its package (``cross``), each imported above that line."""
+    loads = _loads_by_row(f)
+    imported = _import_rows(f)
+    first_read: dict[str, int] = {}
+    for row in sorted(loads):
+        for name in loads[row] & cross:
+            first_read.setdefault(name, row)
+    by_row: dict[int, list[str]] = {}
+    for name, row in first_read.items():
+        if imported.get(name, row) < row:
+            by_row.setdefault(row, []).append(name)
     first_row = _first_rows(f)
-    seen: set[str] = set()
-    out: list[tuple[int, list[str]]] = []
-    for row, stmt, single in _statements(f):
-        if stmt[0].string in ("import", "from"):
-            continue
-        new = sorted((_free_names(stmt) & cross) - seen)
-        seen.update(new)
-        if new and _eligible_target(f, row, stmt, single, first_row):
-            out.append((row, new))
-    return out
+    return [
+        (row, sorted(by_row[row]))
+        for row, stmt, single in _statements(f)
+        if row in by_row and _eligible_target(f, row, stmt, single, first_row)
+    ]
 
 
 def line_prompt_text(f: SourceFile, row: int) -> str:
@@ -336,24 +361,16 @@ def line_prompt_text(f: SourceFile, row: int) -> str:
 
 
 def import_statements(f: SourceFile, before: int) -> list[str]:
-    """The module-level import statements of ``f`` that start above line ``before`` (1-based),
-    in file order, each as its source lines (RepoBench's ``import_statement``). Imports nested
-    in a top-level ``try``/``if`` count; those inside functions and classes do not."""
+    """The module-level import statements of ``f`` (direct children of the module, so the text
+    stays valid code) that start above line ``before`` (1-based), in file order, each as its
+    source lines (RepoBench's ``import_statement``)."""
     if f.tree is None:
         return []
-    rows: list[tuple[int, int]] = []
-    todo: list[ast.stmt] = list(f.tree.body)
-    while todo:
-        node = todo.pop(0)
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            if node.lineno < before:
-                rows.append((node.lineno, node.end_lineno or node.lineno))
-        elif isinstance(node, ast.Try | ast.If):
-            todo.extend(node.body + node.orelse + getattr(node, "finalbody", []))
-            for h in getattr(node, "handlers", []):
-                todo.extend(h.body)
-    rows.sort()
-    return ["".join(f.lines[a - 1 : b]) for a, b in rows]
+    return [
+        "".join(f.lines[node.lineno - 1 : node.end_lineno or node.lineno])
+        for node in f.tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom) and node.lineno < before
+    ]
 
 
 def _line_prompt(
@@ -371,17 +388,27 @@ def _line_prompt(
     import_tokens = 0
     if truncated:
         # As RepoBench's in-file context: the file's header and import statements, then the
-        # code just above the target (cut on the left). Imports beyond half the cap are dropped
-        # from the end, whole statements at a time.
+        # code just above the target (cut on the left). The imports take at most half the cap
+        # (the first whole statements that fit); those the kept code already shows are not
+        # repeated, and their tokens go back to the code.
         head = codec.encode(f.header)
-        imp: list[int] = []
-        for stmt in import_statements(f, row):
-            more = codec.encode(stmt)
-            if len(head) + len(imp) + len(more) > cap // 2:
-                break
-            imp += more
         if len(head) < cap:
-            body, _ = _encode_tail(codec, text[len(f.header) :], cap - len(head) - len(imp), ratio)
+            stmts: list[str] = []
+            size = len(head)
+            for stmt in import_statements(f, row):
+                size += len(codec.encode(stmt))
+                if size > cap // 2:
+                    break
+                stmts.append(stmt)
+            body_text = text[len(f.header) :]
+            for _ in range(3):
+                imp = [t for stmt in stmts for t in codec.encode(stmt)]
+                body, _ = _encode_tail(codec, body_text, cap - len(head) - len(imp), ratio)
+                shown = codec.decode(body)
+                kept = [stmt for stmt in stmts if stmt not in shown]
+                if kept == stmts:
+                    break
+                stmts = kept
             infile = head + imp + body
             import_tokens = len(imp)
     others = [r for r in corpus.packages[f.package] if r != f.rel]

@@ -10,7 +10,7 @@
 # examples it was not chosen on.
 # Writes $OUT/line-variants.tgz: one `herald eval` folder per variant (<setting>-in<cap>/), each
 # with its README (the paired bootstrap of dense minus control) and runs/.
-# Env: CKPT (required), SEED (1), N_FIRST (400: about all cross_file_first targets at 8K),
+# Env: CKPT (required), SEED (1), N_FIRST (400: all ~370 cross_file_first targets at 8K),
 #      N_RANDOM (512), CONTEXT (8192), TIME_LIMIT (200 s per variant), CAPS ("1024 4096").
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HERALD_COMPILE=${HERALD_COMPILE:-0}

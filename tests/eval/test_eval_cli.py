@@ -38,6 +38,11 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert main([*ARGS, "--out", str(out), "--threshold", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "other settings" in err and "threshold" in err and "new --out" in err
+    # A setting of the other task does not change these units; the line's own settings do.
+    assert main([*ARGS, "--out", str(out), "--no-report", "--min-distance", "100"]) == 0
+    assert "3 already done" in capsys.readouterr().err
+    assert main([*ARGS, "--out", str(out), "--line-setting", "cross_file_random"]) == 2
+    assert "line_setting" in capsys.readouterr().err
     assert res["not_run"] == []
     # A planned unit without a result (a time limit stopped the call) is named in the report.
     (out / "runs" / "line_256_herald_1.json").unlink()

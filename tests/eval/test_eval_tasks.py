@@ -73,6 +73,27 @@ def test_line_targets_are_real_lines_and_same_at_every_context(corpus, tok, line
     ]
 
 
+def check_infile_layout(f, ex, infile: bytes, cap: int) -> None:
+    """A cut in-file part: the header, whole import statements of the file in order (at most
+    half the cap with the header, none repeated in the kept code), then the prefix's tail."""
+    header = f"# file: {f.rel}\n".encode()
+    n_in = ex.meta["infile_tokens"]
+    part = bytes(ex.prompt_ids[-n_in:])
+    assert part.startswith(header)
+    imports = part[len(header) : len(header) + ex.meta["import_tokens"]]
+    assert not imports or len(header) + len(imports) <= cap // 2
+    used = []  # whole statements, in file order
+    rest = imports
+    for st in (st.encode() for st in import_statements(f, ex.meta["line"])):
+        if rest.startswith(st):
+            used.append(st)
+            rest = rest[len(st) :]
+    assert rest == b""
+    tail = part[len(header) + len(imports) :]
+    assert infile.endswith(tail) and len(tail) == n_in - len(header) - len(imports)
+    assert not any(st in tail for st in used)  # not repeated in the kept code
+
+
 def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, line_ex):
     for ex in line_ex:
         f = corpus.read(ex.meta["file"])
@@ -84,16 +105,8 @@ def test_line_prompt_keeps_the_infile_prefix_and_truncates_context_left(corpus, 
         n_in = ex.meta["infile_tokens"]
         assert n_in == min(len(infile), 64)
         assert len(ex.prompt_ids) == 1024  # stdlib packages are far longer than 1K bytes
-        if ex.meta["infile_truncated"]:  # the header, the imports that fit, the prefix's tail
-            header = f"# file: {f.rel}\n".encode()
-            imports = b""
-            for stmt in import_statements(f, ex.meta["line"]):
-                if len(header) + len(imports) + len(stmt.encode()) > 64 // 2:
-                    break
-                imports += stmt.encode()
-            assert ex.meta["import_tokens"] == len(imports)
-            tail = infile[-(n_in - len(header) - len(imports)) :]
-            assert bytes(ex.prompt_ids[-n_in:]) == header + imports + tail
+        if ex.meta["infile_truncated"]:  # the header, imports that fit, the prefix's tail
+            check_infile_layout(f, ex, infile, cap=64)
         else:
             assert ex.meta["import_tokens"] == 0
             assert bytes(ex.prompt_ids[-n_in:]) == infile  # the in-file prefix, kept
@@ -151,20 +164,57 @@ def test_first_use_candidates_and_import_statements():
         "    import json\n"
         "    q = obj.x + 1\n"  # an attribute: not a use of x
         "    return x(y)\n"  # first use of x and y
-        "v = x(2) + z.w\n"  # x again; first use of z
+        "v = x(2) + z.w\n"  # x again; first use of z (line 7 binds it, it does not read it)
         "from .c import late\n"
     )
     g = SourceFile("p/m.py", text, "0")
+    # Module-level statements only (a nested import shown out of its block is not valid code).
     assert import_statements(g, 99) == [
         "import os\n",
         "from .a import (x,\n    y)\n",
-        "    from .b import z\n",
         "from .c import late\n",
     ]
-    assert import_statements(g, 14) == import_statements(g, 99)[:3]  # only those above the row
-    # z first occurs in the fallback ``z = None`` (too short to be a target), so line 13 is not
-    # its first use: a name whose first use is not an eligible line gives no target.
-    assert first_use_candidates(g, {"x", "y", "z", "late"}) == [(12, ["x", "y"])]
+    assert import_statements(g, 14) == import_statements(g, 99)[:2]  # only those above the row
+    assert first_use_candidates(g, {"x", "y", "z", "late"}) == [(12, ["x", "y"]), (13, ["z"])]
+
+
+def test_first_use_is_a_read_of_a_name_imported_above():
+    text = (
+        "import os\n"
+        "import sys\n"
+        "import json\n"
+        "\n"
+        "def show_compilers():\n"  # binds the name, before its (local) import
+        "    from p.ccompiler import show_compilers\n"
+        "    show_compilers()\n"  # the first read, after the local import
+        "\n"
+        "class Queue(object):\n"
+        "    def __init__(self, maxsize=0, *, ctx):\n"  # a parameter: a binding
+        "        from .synchronize import SEM_VALUE_MAX as maxsize\n"
+        "        self.maxsize = maxsize + 0\n"  # the first read of maxsize
+        "    def later(self):\n"
+        "        return helper(self.maxsize)\n"  # helper is imported only below
+        "from .util import helper\n"
+    )
+    g = SourceFile("p/m.py", text, "0")
+    cross = {"show_compilers", "maxsize", "helper"}
+    assert first_use_candidates(g, cross) == [(7, ["show_compilers"]), (12, ["maxsize"])]
+    # Tiers count reads too: a def of an imported name is not a tier-2 line.
+    tiers = dict(line_candidates(g, cross, set()))
+    assert tiers[10] == 0 and tiers[12] == 2 and tiers[14] == 2
+
+
+def test_line_prompt_holds_the_files_imports(corpus, tok):
+    cfg = TaskConfig(**{**SMALL.__dict__, "infile_tokens": 400})
+    exs = build_examples("line", corpus, tok, 1024, 6, cfg)
+    assert sum(ex.meta["import_tokens"] > 0 for ex in exs) >= 3
+    for ex in exs:
+        f = corpus.read(ex.meta["file"])
+        infile = (f.header + "".join(f.lines[: ex.meta["line"] - 1])).encode().rstrip()
+        if ex.meta["infile_truncated"]:
+            check_infile_layout(f, ex, infile, cap=400)
+        else:
+            assert bytes(ex.prompt_ids[-ex.meta["infile_tokens"] :]) == infile
 
 
 def test_line_settings(corpus, tok):
