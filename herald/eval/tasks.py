@@ -16,8 +16,9 @@ Two tasks, both deterministic for a seed and a tokenizer:
     characters that are not comments, docstrings, imports or decorators and do not already occur
     in the file above. Two settings, after RepoBench's (``TaskConfig.line_setting``):
 
-    - ``cross_file_first`` (default): the line where a name the file imports from another file
-      of its package is first used, and none of the names it first uses occurs in the last
+    - ``cross_file_first`` (default): the line where a name the file imports (above that line)
+      from another file of its package is first read (a use, not a binding such as a parameter
+      of the same spelling), and none of the names it first reads occurs in the last
       ``control_tokens`` tokens of the prompt: the no-context control cannot copy them, only the
       long context (the import statements and the other files) holds them.
     - ``cross_file_random``: a random line, preferring lines that use a name imported from
@@ -393,19 +394,20 @@ def _line_prompt(
         # repeated, and their tokens go back to the code.
         head = codec.encode(f.header)
         if len(head) < cap:
-            stmts: list[str] = []
+            stmts: list[tuple[str, list[int]]] = []  # (text, its tokens)
             size = len(head)
             for stmt in import_statements(f, row):
-                size += len(codec.encode(stmt))
+                ids = codec.encode(stmt)
+                size += len(ids)
                 if size > cap // 2:
                     break
-                stmts.append(stmt)
+                stmts.append((stmt, ids))
             body_text = text[len(f.header) :]
             for _ in range(3):
-                imp = [t for stmt in stmts for t in codec.encode(stmt)]
+                imp = [t for _, ids in stmts for t in ids]
                 body, _ = _encode_tail(codec, body_text, cap - len(head) - len(imp), ratio)
                 shown = codec.decode(body)
-                kept = [stmt for stmt in stmts if stmt not in shown]
+                kept = [(stmt, ids) for stmt, ids in stmts if stmt not in shown]
                 if kept == stmts:
                     break
                 stmts = kept
@@ -511,8 +513,7 @@ def _pick_first_use(
     while pool:
         f, row, names = pool.pop()
         ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
-        window = codec.decode(ids[-cfg.control_tokens :])
-        if not {m.group(0) for m in _WORD.finditer(window)} & set(names):
+        if not any(_mentions(codec, ids[-cfg.control_tokens :], name) for name in names):
             return f, row, {"setting": "cross_file_first", "names": names}, ids, meta
     return None
 
