@@ -83,7 +83,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         choices=LINE_SETTINGS,
         default=LINE_SETTINGS[0],
         help="line: target lines, RepoBench's settings (cross_file_first: first use of a name "
-        "imported from another file, absent from the control window)",
+        "imported from another file, absent from the control window; cross_file_random: random "
+        "lines preferring such uses; cross_file_later: a later use of such names, absent from the "
+        "control window)",
     )
     p.add_argument("--seed", type=int, default=0, help="example selection seed")
     p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")

@@ -30,6 +30,9 @@ _LINE_SETTING_TEXT = {
     "its package, absent from the control window; the in-file context holds the file's imports",
     "cross_file_random": "`cross_file_random`, random lines preferring uses of names imported from "
     "other files of the package; the in-file context holds the file's imports",
+    "cross_file_later": "`cross_file_later`, a later (not the first) use of names the file imports from "
+    "another file of its package, absent from the control window; the in-file context holds the "
+    "file's imports",
 }
 _OLD_LINES = "tiered random lines, in-file context without its imports (runs before the settings)"
 

@@ -24,6 +24,10 @@ Two tasks, both deterministic for a seed and a tokenizer:
     - ``cross_file_random``: a random line, preferring lines that use a name imported from
       another file of the package (tier 2), then lines using a name defined at top level in
       another file (tier 1), then any (tier 0).
+    - ``cross_file_later``: RepoBench's ``cross_file_random`` (a read of such an imported name
+      that is not its first in the file) with ``cross_file_first``'s condition: none of the
+      imported names the line reads occurs in the control window, so the control sees neither
+      their import nor their earlier uses; only the long context does.
 
     The same targets are asked at every context length (paired; the in-file context and the
     control window do not depend on it once ``context`` holds both), only the amount of
@@ -62,7 +66,7 @@ from typing import Any
 from herald.eval.sources import Corpus, SourceFile, TextCodec
 
 TASKS = ("line", "recall")
-LINE_SETTINGS = ("cross_file_first", "cross_file_random")
+LINE_SETTINGS = ("cross_file_first", "cross_file_random", "cross_file_later")
 
 COMMON_NAMES = frozenset(
     """self cls args kwargs name value values key keys data result results path obj func text
@@ -118,7 +122,8 @@ class TaskConfig:
     line_setting: str = "cross_file_first"
     """line: which target lines (RepoBench's settings, :data:`LINE_SETTINGS`): the first use of a
     name imported from another file of the package, absent from the control window
-    (``cross_file_first``), or a random line preferring such uses (``cross_file_random``)."""
+    (``cross_file_first``), a random line preferring such uses (``cross_file_random``), or a later
+    use of such names, absent from the control window (``cross_file_later``)."""
 
 
 def selection_hash(examples: list[Example]) -> str:
@@ -336,6 +341,20 @@ def first_use_candidates(f: SourceFile, cross: set[str]) -> list[tuple[int, list
     """``cross_file_first`` targets of ``f``: ``(row, names)`` for each eligible target line
     that is the first line of the file to read (:func:`_loads_by_row`) names that ``f`` imports
     from another file of its package (``cross``), each imported above that line."""
+    return _cross_use_candidates(f, cross, later=False)
+
+
+def later_use_candidates(f: SourceFile, cross: set[str]) -> list[tuple[int, list[str]]]:
+    """``cross_file_later`` targets of ``f``: ``(row, names)`` for each eligible target line
+    that reads names ``f`` imports from another file of its package (``cross``), each imported
+    above it and each read on an earlier line too (no first use: those are ``cross_file_first``
+    targets)."""
+    return _cross_use_candidates(f, cross, later=True)
+
+
+def _cross_use_candidates(
+    f: SourceFile, cross: set[str], later: bool
+) -> list[tuple[int, list[str]]]:
     loads = _loads_by_row(f)
     imported = _import_rows(f)
     first_read: dict[str, int] = {}
@@ -343,9 +362,15 @@ def first_use_candidates(f: SourceFile, cross: set[str]) -> list[tuple[int, list
         for name in loads[row] & cross:
             first_read.setdefault(name, row)
     by_row: dict[int, list[str]] = {}
-    for name, row in first_read.items():
-        if imported.get(name, row) < row:
-            by_row.setdefault(row, []).append(name)
+    if later:
+        for row, names in loads.items():
+            read = names & cross
+            if read and all(first_read[n] < row and imported.get(n, row) < row for n in read):
+                by_row[row] = sorted(read)
+    else:
+        for name, row in first_read.items():
+            if imported.get(name, row) < row:
+                by_row.setdefault(row, []).append(name)
     first_row = _first_rows(f)
     return [
         (row, sorted(by_row[row]))
@@ -441,14 +466,15 @@ def _build_line(
     names_cache: dict[str, set[str]] = {}
     chosen: set[tuple[str, int]] = set()
     examples: list[Example] = []
-    pools = _first_use_pools(corpus, pkgs, rng) if cfg.line_setting == "cross_file_first" else {}
+    pooled = cfg.line_setting in ("cross_file_first", "cross_file_later")
+    pools = _cross_use_pools(corpus, pkgs, rng, cfg.line_setting) if pooled else {}
     misses = 0
     i = 0
     while len(examples) < n and misses < 4 * len(pkgs):
         pkg = pkgs[i % len(pkgs)]
         i += 1
-        if cfg.line_setting == "cross_file_first":
-            pick = _pick_first_use(corpus, codec, pools[pkg], context, cfg)
+        if pooled:
+            pick = _pick_cross_use(corpus, codec, pools[pkg], context, cfg)
             if pick is None:  # this package's pool ran out
                 if not any(pools.values()):
                     break  # every candidate tried
@@ -482,11 +508,12 @@ _Pick = tuple[SourceFile, int, dict[str, Any], list[int], dict[str, Any]]
 """A chosen target: file, row, the choice's meta, prompt ids and the prompt's meta."""
 
 
-def _first_use_pools(
-    corpus: Corpus, pkgs: list[str], rng: random.Random
+def _cross_use_pools(
+    corpus: Corpus, pkgs: list[str], rng: random.Random, setting: str
 ) -> dict[str, list[tuple[SourceFile, int, list[str]]]]:
-    """``cross_file_first``: every first-use candidate of each package (file, row, names), in a
-    seeded random order; :func:`_pick_first_use` pops them."""
+    """``cross_file_first`` / ``cross_file_later``: every candidate of each package (file, row,
+    names), in a seeded random order; :func:`_pick_cross_use` pops them."""
+    candidates = first_use_candidates if setting == "cross_file_first" else later_use_candidates
     pools: dict[str, list[tuple[SourceFile, int, list[str]]]] = {}
     for pkg in pkgs:
         pool = []
@@ -494,27 +521,28 @@ def _first_use_pools(
             f = corpus.read(rel)
             if f is not None and f.tree is not None:
                 cross = _imported_package_names(f)
-                pool += [(f, row, names) for row, names in first_use_candidates(f, cross)]
+                pool += [(f, row, names) for row, names in candidates(f, cross)]
         rng.shuffle(pool)
         pools[pkg] = pool
     return pools
 
 
-def _pick_first_use(
+def _pick_cross_use(
     corpus: Corpus,
     codec: TextCodec,
     pool: list[tuple[SourceFile, int, list[str]]],
     context: int,
     cfg: TaskConfig,
 ) -> _Pick | None:
-    """``cross_file_first``: the next candidate of ``pool`` (popped) none of whose first-used
-    names occurs in the control window (the last ``control_tokens`` prompt tokens), so that only
-    the long context holds the names' import and definition; None when ``pool`` runs out."""
+    """``cross_file_first`` / ``cross_file_later``: the next candidate of ``pool`` (popped) none
+    of whose imported names occurs in the control window (the last ``control_tokens`` prompt
+    tokens), so that only the long context holds the names' import, definition and earlier
+    uses; None when ``pool`` runs out."""
     while pool:
         f, row, names = pool.pop()
         ids, meta = _line_prompt(corpus, codec, f, row, context, cfg)
         if not any(_mentions(codec, ids[-cfg.control_tokens :], name) for name in names):
-            return f, row, {"setting": "cross_file_first", "names": names}, ids, meta
+            return f, row, {"setting": cfg.line_setting, "names": names}, ids, meta
     return None
 
 

@@ -217,6 +217,35 @@ def test_line_prompt_holds_the_files_imports(corpus, tok):
             assert bytes(ex.prompt_ids[-ex.meta["infile_tokens"] :]) == infile
 
 
+def test_later_use_candidates_are_uses_after_the_first():
+    from herald.eval.sources import SourceFile
+    from herald.eval.tasks import first_use_candidates, later_use_candidates
+
+    text = "from .a import wait, go\n\n\ndef f(x):\n    y = wait(x, 1)\n    z = wait(x, 2)\n"
+    text += "    w = wait(go(x), 3)\n    return wait(go(y))\n"
+    g = SourceFile("p.py", text, "0")
+    assert first_use_candidates(g, {"wait", "go"}) == [(5, ["wait"]), (7, ["go"])]
+    # row 7 also first-reads go: not a later use; row 8 reads both again
+    assert later_use_candidates(g, {"wait", "go"}) == [(6, ["wait"]), (8, ["go", "wait"])]
+
+
+def test_cross_file_later_targets_a_later_use_absent_from_the_control_window(corpus, tok):
+    cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_later"})
+    examples = build_examples("line", corpus, tok, 1024, 4, cfg)
+    assert len(examples) == 4
+    for ex in examples:
+        assert ex.meta["setting"] == "cross_file_later" and ex.meta["names"]
+        window = bytes(ex.prompt_ids[-SMALL.control_tokens :]).decode(errors="replace")
+        f = corpus.read(ex.meta["file"])
+        above = "".join(f.lines[: ex.meta["line"] - 1])
+        for name in ex.meta["names"]:
+            assert re.search(rf"\b{name}\b", ex.target)
+            assert not re.search(rf"\b{name}\b", window)
+            # used (not only imported) above the target
+            uses = [ln for ln in f.lines[: ex.meta["line"] - 1] if re.search(rf"\b{name}\b", ln)]
+            assert any(not ln.lstrip().startswith(("import ", "from ")) for ln in uses), above
+
+
 def test_line_settings(corpus, tok):
     cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random"})
     ex = build_examples("line", corpus, tok, 1024, 4, cfg)
