@@ -77,15 +77,20 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--control-tokens", type=int, default=512, help="no-context control window")
     p.add_argument("--no-control", action="store_true", help="skip the no-context control")
     p.add_argument("--min-distance", type=int, default=2000, help="recall: tokens def -> use")
-    p.add_argument("--infile-tokens", type=int, default=1024, help="line: in-file prefix cap")
+    p.add_argument(
+        "--infile-tokens",
+        type=int,
+        default=TaskConfig.infile_tokens,
+        help="line: in-file prefix cap (tokens)",
+    )
     p.add_argument(
         "--line-setting",
         choices=LINE_SETTINGS,
-        default=LINE_SETTINGS[0],
-        help="line: target lines, RepoBench's settings (cross_file_first: first use of a name "
-        "imported from another file, absent from the control window; cross_file_random: random "
-        "lines preferring such uses; cross_file_later: a later use of such names, absent from the "
-        "control window)",
+        default=TaskConfig.line_setting,
+        help="line: target lines, RepoBench's settings (default cross_file_later: a later use "
+        "of a name imported from another file of the package, absent from the control window; "
+        "cross_file_first: its first use, likewise; cross_file_random: random lines preferring "
+        "such uses)",
     )
     p.add_argument("--seed", type=int, default=0, help="example selection seed")
     p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")

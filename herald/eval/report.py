@@ -52,8 +52,12 @@ def collect(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, A
     return units, selections
 
 
-def _bootstrap_diff(a: list[float], b: list[float], reps: int = 2000) -> tuple[float, float]:
-    """95% paired-bootstrap interval of mean(a) - mean(b) (seeded)."""
+def paired_bootstrap(
+    a: list[float], b: list[float], level: float = 0.95, reps: int = 2000
+) -> tuple[float, float]:
+    """``level`` paired-bootstrap interval of mean(a) - mean(b): ``reps`` resamples of the
+    example indices (seeded, so reports are reproducible); a and b are per-example scores of the
+    same examples, in the same order."""
     rng = random.Random(0)
     n = len(a)
     diffs = []
@@ -61,7 +65,8 @@ def _bootstrap_diff(a: list[float], b: list[float], reps: int = 2000) -> tuple[f
         idx = [rng.randrange(n) for _ in range(n)]
         diffs.append(sum(a[i] - b[i] for i in idx) / n)
     diffs.sort()
-    return diffs[int(0.025 * reps)], diffs[int(0.975 * reps) - 1]
+    tail = (1 - level) / 2
+    return diffs[round(tail * reps)], diffs[round((1 - tail) * reps) - 1]
 
 
 def _per_example(res: dict[str, Any], metric: str) -> list[float]:
@@ -131,7 +136,7 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 continue
             m = HEADLINE[task]
             a, b = _per_example(d, m), _per_example(c, m)
-            lo, hi = _bootstrap_diff(a, b)
+            lo, hi = paired_bootstrap(a, b)
             diff = 100 * (sum(a) - sum(b)) / len(a)
             clear = "clearly above" if lo > 0 else "NOT clearly above"
             lines.append(

@@ -10,8 +10,11 @@ from herald.eval.tasks import TaskConfig
 from herald.models.registry import get_preset
 from herald.tokenizer import Tokenizer, byte_level_tokenizer
 
-SMALL = TaskConfig(control_tokens=64, infile_tokens=64, min_distance=150)
-"""CPU sizes: 64-token control window, 64-token in-file cap, 150-token recall distance."""
+SMALL = TaskConfig(
+    control_tokens=64, infile_tokens=64, min_distance=150, line_setting="cross_file_first"
+)
+"""CPU sizes: 64-token control window, 64-token in-file cap, 150-token recall distance; the
+line fixtures test ``cross_file_first`` (each other setting has its own test)."""
 
 
 @functools.cache

@@ -36,3 +36,38 @@ def test_scores():
     assert score("recall", "foo", "foo_") == {"em": 0.0, "es": pytest.approx(6 / 7)}
     with pytest.raises(ValueError):
         predict("nope", "")
+
+
+def test_paired_bootstrap_levels():
+    from herald.eval.report import paired_bootstrap
+
+    a = [0.3, 0.5, 0.4, 0.9, 0.2, 0.6, 0.7, 0.1] * 4
+    b = [0.2, 0.5, 0.1, 0.6, 0.2, 0.3, 0.7, 0.2] * 4
+    lo95, hi95 = paired_bootstrap(a, b)
+    lo99, hi99 = paired_bootstrap(a, b, level=0.99)
+    mean = (sum(a) - sum(b)) / len(a)
+    assert lo99 <= lo95 < mean < hi95 <= hi99
+    assert lo99 < lo95 or hi99 > hi95  # the wider level is wider somewhere
+    assert paired_bootstrap(a, a) == (0.0, 0.0)
+
+
+def test_line_variants_table(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "diagnostics"))
+    from line_variants_table import main
+
+    folders = {"v-in1": ([1.0, 0.5], [0.5, 0.5]), "v-in2": ([0.2, 0.2], [0.2, 0.4])}
+    for name, (d, c) in folders.items():
+        runs = tmp_path / name / "runs"
+        runs.mkdir(parents=True)
+        for mode, es in (("dense", d), ("control", c)):
+            rows = [{"id": f"x{i}", "es": v} for i, v in enumerate(es)]
+            (runs / f"line_8192_{mode}.json").write_text(json.dumps({"examples": rows}))
+    assert main([str(tmp_path / "v-in1"), str(tmp_path / "v-in2")]) == 0
+    out = capsys.readouterr().out
+    assert "Bonferroni over 2" in out and "97.5%" in out
+    assert "| `v-in1` | 2 | 75.0 | 50.0 | +25.0" in out
+    assert "| `v-in2` | 2 | 20.0 | 30.0 | -10.0" in out
