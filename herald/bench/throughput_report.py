@@ -190,12 +190,16 @@ def provenance(d: Data) -> list[str]:
             f"| {m.get('torch')} | {_f((mc.get('pcie') or {}).get('h2d_gbs'), '.1f')} "
             f"| {_f((mc.get('dram') or {}).get('reference_gbs'), '.1f')} | {count[r['run_id']]} |"
         )
-    settings = {
-        tuple(sorted(r.get("settings", {}).items())) for r in d.runs if count.get(r["run_id"])
-    }
-    for s in sorted(settings, key=str):  # a stable order: the README is rebuilt, not edited
-        lines.append("")
-        lines.append("Settings: " + ", ".join(f"{k} = {v}" for k, v in s))
+    # The measurement settings of each run (its time limit bounds the run, not a point: the
+    # command line shows it); one line per distinct set, naming its runs when there are several.
+    runs_of: dict[tuple[tuple[str, Any], ...], list[str]] = defaultdict(list)
+    for r in d.runs:
+        if count.get(r["run_id"]):
+            kept = {k: v for k, v in r.get("settings", {}).items() if k != "time_limit_s"}
+            runs_of[tuple(sorted(kept.items()))].append(r["run_id"])
+    for s in sorted(runs_of, key=str):  # a stable order: the README is rebuilt, not edited
+        who = "every run" if len(runs_of) == 1 else "runs " + ", ".join(runs_of[s])
+        lines += ["", f"Settings ({who}): " + ", ".join(f"{k} = {v}" for k, v in s)]
     return lines
 
 

@@ -34,7 +34,7 @@ BIG_HOST = {"kind": "run", "run_id": "r2", "command": "python -m herald.bench.th
             "machine": {"date_utc": "2026-12-01T01:00:00+00:00", "gpu": "NVIDIA H200",
                         "cpu_model": "Xeon", "cpu_count": 32, "mem_total_gib": 251.8,
                         "torch": "2.11.0"},
-            "settings": {"warmup_blocks": 1, "timed_blocks": 2}}  # fmt: skip
+            "settings": {"warmup_blocks": 1, "timed_blocks": 2, "time_limit_s": 95.0}}  # fmt: skip
 
 
 def _point(model, ctx, variant, budget, batch, value, steps=20, cap=CAP_H100):
@@ -73,7 +73,7 @@ def write_fixture(out: Path) -> None:
          "machine": {"date_utc": "2026-12-01T00:00:00+00:00", "gpu": "NVIDIA H200",
                      "cpu_model": "Xeon", "cpu_count": 16, "mem_total_gib": 125.0,
                      "torch": "2.11.0"},
-         "settings": {"warmup_blocks": 1, "timed_blocks": 2}},
+         "settings": {"warmup_blocks": 1, "timed_blocks": 2, "time_limit_s": 380.0}},
         {"kind": "machine", "run_id": "r1", "pcie": {"h2d_gbs": 55.0, "d2h_gbs": 54.0},
          "dram": {"reference_gbs": 95.0}},
     ]  # fmt: skip
@@ -138,6 +138,8 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "| 32K | 8 | 24 | 480 | 64 | 800 | 1.67 |" in md
     assert "| 32K | 20 | 24 | 1250 | 64 | 2500 | 2.00 |" in md
     assert "python -m herald.bench.throughput --plan all" in md  # provenance
+    # runs that differ only in their time limit share one settings line
+    assert "Settings (every run): timed_blocks = 2, warmup_blocks = 1" in md
     assert "Every measured point" in md and "skipping a malformed line" in capsys.readouterr().out
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib missing: plots not checked")
