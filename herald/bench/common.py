@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,28 @@ def machine_info() -> dict[str, Any]:
         info["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def code_version() -> dict[str, str]:
+    """Which code measured a result: ``source_sha256`` (16 hex digits over every ``herald/``
+    source file's path and bytes, so it is the same wherever the tree is copied, e.g. to a
+    device machine without git history) and ``git`` (the commit, with ``+dirty`` for
+    uncommitted changes) where git knows the tree."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    out = {"source_sha256": h.hexdigest()[:16]}
+    try:
+        git = ["git", "-C", str(root.parent)]
+        kw: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 10, "check": True}
+        rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], **kw).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "herald"], **kw).stdout
+        out["git"] = rev + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def command_line() -> str:

@@ -129,7 +129,7 @@ BATCHES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {
         "dense": (4, 8, 12, 16, 20, 24, 32),
         "herald": (8, 16, 24, 32, 40),
         "mage": (8, 16, 24, 32),
-        "infinigen": (8, 16, 24, 32),
+        "infinigen": (8, 16, 24, 32, 40, 48),
     },
 }
 _LIKE = {"herald-selected": "herald", "mage-cpu-rep": "herald", "mage-cpu": "mage"}

@@ -28,7 +28,9 @@ def pyplot() -> Any:
 def plot_fig12(
     ceilings: Ceilings, series: dict[str, dict[int, dict[str, Any]]], path: Path, title: str
 ) -> bool:
-    """Throughput vs batch per mode, with HERALD's ceilings and Dense's GPU forward ceiling."""
+    """Throughput vs batch per mode, with the ceilings that can bind HERALD (per-block fetch,
+    CPU selection, GPU forward), MAGE (per-step and full-KV fetch) and Dense (GPU forward), each
+    at the measured points of its mode."""
     plt = pyplot()
     if plt is None:
         return False
@@ -42,23 +44,20 @@ def plot_fig12(
                 "o-",
                 label=VARIANTS[v].label,
             )
-    her = [r for _, r in sorted(series.get("herald", {}).items()) if r["status"] == "ok"]
-    if her:
-        xs = [r["batch"] for r in her]
-        cs = [ceilings(r) for r in her]
-        for key, style in (
-            ("per_step_fetch", "b--"),
-            ("per_block_fetch", "c--"),
-            ("cpu_selection_dram", "m:"),
-        ):
-            if key in cs[0]:
-                ax.axhline(
-                    cs[0][key], ls=style[1:], color=style[0], label=f"{CEILING_NAMES[key]} (HERALD)"
-                )
-        for key, style in (("cpu_selection", "m^:"), ("gpu_forward", "gs:")):
-            pts = [(x, c[key]) for x, c in zip(xs, cs, strict=True) if key in c]
+    # Each ceiling is drawn per point (PCIe and DRAM are probed per run, so a sweep measured in
+    # several runs has several values), for the mode it can bind.
+    for v, drawn in (
+        ("herald", (("per_block_fetch", "c--"), ("cpu_selection_dram", "m:"),
+                    ("cpu_selection", "m^:"), ("gpu_forward", "gs:"))),
+        ("mage", (("per_step_fetch", "b--"), ("full_kv_per_block_fetch", "r--"))),
+    ):  # fmt: skip
+        ok = [r for _, r in sorted(series.get(v, {}).items()) if r["status"] == "ok"]
+        cs = [(r["batch"], ceilings(r)) for r in ok]
+        for key, style in drawn:
+            pts = [(x, c[key]) for x, c in cs if key in c]
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label=f"{CEILING_NAMES[key]} (HERALD)")
+                name = VARIANTS[v].label if v != "herald" else "HERALD"
+                ax.plot(*zip(*pts, strict=True), style, label=f"{CEILING_NAMES[key]} ({name})")
     den = [r for _, r in sorted(series.get("dense", {}).items()) if r["status"] == "ok"]
     if den:
         ax.plot(

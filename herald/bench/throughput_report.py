@@ -31,7 +31,8 @@ LIFT = {
     "graphs, batched KV hand-offs, a fused MoE), or a larger batch where memory allows",
     "per_block_fetch": "fewer bytes per block (a smaller budget) or a faster host link",
     "dram": "more DRAM for the CPU pool (the two-GPU machine variant has 256 GiB): the batch "
-    "would grow until a throughput ceiling binds",
+    "would grow until a throughput ceiling binds (`results/throughput_256g/` measured that host; "
+    "it also has twice the cores and a faster DRAM probe, so its gain is not DRAM size alone)",
 }
 
 
@@ -173,10 +174,17 @@ def _cap(cap: float | None) -> str:
 # -- sections -----------------------------------------------------------------------------------
 
 
+def _code(run: dict[str, Any]) -> str:
+    """The run's code version: git commit if known, else the source hash; "-" for runs recorded
+    before versions were (the commit log dates them)."""
+    code = run.get("code") or {}
+    return code.get("git") or (f"src {code['source_sha256']}" if "source_sha256" in code else "-")
+
+
 def provenance(d: Data) -> list[str]:
     lines = ["## Provenance", ""]
-    lines += ["| run | date (UTC) | command | GPU | CPU | DRAM GiB | torch | PCIe H2D GB/s | DRAM read GB/s | points |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["| run | date (UTC) | command | code | GPU | CPU | DRAM GiB | torch | PCIe H2D GB/s | DRAM read GB/s | points |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     count: dict[str, int] = defaultdict(int)
     for p in d.points:
         count[p["run_id"]] += 1
@@ -185,7 +193,8 @@ def provenance(d: Data) -> list[str]:
             continue
         m, mc = r["machine"], d.machines.get(r["run_id"], {})
         lines.append(
-            f"| {r['run_id']} | {m.get('date_utc', '')} | `{r['command']}` | {m.get('gpu', 'cpu')} "
+            f"| {r['run_id']} | {m.get('date_utc', '')} | `{r['command']}` | {_code(r)} "
+            f"| {m.get('gpu', 'cpu')} "
             f"| {m.get('cpu_model', '?')} x{m.get('cpu_count')} | {m.get('mem_total_gib')} "
             f"| {m.get('torch')} | {_f((mc.get('pcie') or {}).get('h2d_gbs'), '.1f')} "
             f"| {_f((mc.get('dram') or {}).get('reference_gbs'), '.1f')} | {count[r['run_id']]} |"
@@ -211,7 +220,9 @@ Every request of a point is admitted at once with a **synthetic prefill** (rando
 stores and the CPU pool, random initial sparse pools: decode speed does not depend on KV values;
 real prefill throughput is in `results/dense`). Each point decodes warm-up blocks (CUDA graph
 capture, compilation of new shapes, the first block) and then timed blocks; **decode throughput =
-tokens generated in the timed blocks / their wall time**. A sweep ends at its first point that does
+tokens generated in the timed blocks / their wall time** (two timed blocks; one where the warm-up
+took longer than `slow_block_s`: the `timed_blocks` field of each point). Each point is one such
+measurement, not a mean of repeats: see Repeatability for how much two differ. A sweep ends at its first point that does
 not fit: `GPU OOM` (out of GPU memory under the cap) or `DRAM` (CPU pool or pinned staging). The
 80 GB cap limits PyTorch's allocator to 80e9 bytes (the CUDA context and library workspaces,
 ~1 GB, are outside it). Uncapped offloading sweeps whose 80 GB sweep never ran out of GPU memory
@@ -228,7 +239,9 @@ offloaded layer and bytes/token = offloaded layers x 2 x KV heads x head_dim x 2
 - GPU forward (measured) = batch x B / (T x median plain denoising forward at that batch)
 
 PCIe (pinned host-to-device, 1 GiB, best of 3) and DRAM read bandwidth (all threads) are measured at
-the start of every run."""
+the start of every run, and each point's ceilings use its own run's probes: the DRAM probe varies
+between runs (Provenance), so "CPU selection at DRAM speed" is an estimate that a measured point can
+exceed when its run's probe read low."""
 
 
 def table2(d: Data, cap: float | None) -> list[str]:
@@ -327,8 +340,10 @@ def fig13(d: Data, out: Path, plots: list[str]) -> list[str]:
 
 
 def fig14(d: Data, out: Path, plots: list[str]) -> list[str]:
-    lines = ["| ctx | T | Dense bs | Dense tok/s | HERALD bs | HERALD tok/s | HERALD / Dense | main s/block | retrieval s/block | stall s/block |",
-             "| --- |" + " --- |" * 9]  # fmt: skip
+    # the T = 20 row is the Table II sweeps' point, often from another run than the other T
+    # rows: the time column shows it (see Repeatability for how much runs differ)
+    lines = ["| ctx | T | Dense bs | Dense tok/s | HERALD bs | HERALD tok/s | HERALD / Dense | main s/block | retrieval s/block | stall s/block | HERALD measured (UTC) |",
+             "| --- |" + " --- |" * 10]  # fmt: skip
     data: dict[int, list[tuple[int, float | None, float | None, float | None, float | None]]] = {}
     for ctx in d.contexts(LLADA):
         for t in plan.FIG14_STEPS:
@@ -345,7 +360,8 @@ def fig14(d: Data, out: Path, plots: list[str]) -> list[str]:
             lines.append(
                 f"| {_ctx(ctx)} | {t} | {dn['batch'] if dn else '-'} | {_f(dt)} | {hr['batch'] if hr else '-'} "
                 f"| {_f(ht)} | {_f(ht / dt if ht and dt else None, '.2f')} | {_f(main, '.2f')} | {_f(retr, '.2f')} "
-                f"| {_f(_mean(hr.get('block_stall_s')) if hr else None, '.2f')} |"
+                f"| {_f(_mean(hr.get('block_stall_s')) if hr else None, '.2f')} "
+                f"| {(hr.get('time_utc') or '-')[:16] if hr else '-'} |"
             )
             data.setdefault(ctx, []).append((t, dt, ht, main, retr))
     if tplots.plot_fig14(data, out / "fig14_steps.png"):
@@ -395,7 +411,7 @@ def targets(d: Data) -> list[str]:
             f"**{verdict}**"
         )
         if not ok:
-            lines += diagnose(d, h, dt, v)
+            lines += diagnose(d, h, dt, v, need=TARGET_RATIO * dt["decode_tokens_per_s"])
     for cap in (CAP_H100, None):
         for m in d.models():
             for ctx in d.contexts(m):
@@ -420,10 +436,33 @@ def targets(d: Data) -> list[str]:
                     ok = top["decode_tokens_per_s"] > other["decode_tokens_per_s"]
                     open_ = _open(hr, m, ctx, "herald") or _open(orecs, m, ctx, v)
                     verdict = "pending (sweep incomplete)" if open_ else ("met" if ok else "missed")
-                    lines.append(f"{head} {other['decode_tokens_per_s']:.0f} tok/s: **{verdict}**")
+                    lines.append(
+                        f"{head} {other['decode_tokens_per_s']:.0f} tok/s: **{verdict}**"
+                        + _list_end_note(d, orecs, m, ctx, v)
+                    )
                     if not ok and not open_:
                         lines += diagnose(d, hr, other)
     return lines
+
+
+def _list_end_note(
+    d: Data, recs: dict[int, dict[str, Any]], model: str, ctx: int, variant: str
+) -> str:
+    """For a baseline whose sweep ended at the end of its batch list (no batch failed, so a
+    larger one might be faster): its lowest ceiling at its largest batch, which bounds what a
+    larger batch could reach while that ceiling does not grow with the batch."""
+    if not stop_reason(recs, planned_batches(model, ctx, variant)).startswith("end of list"):
+        return ""
+    last = recs[max(recs)]
+    c = d.ceilings(last)
+    key = _bound(c, RELEVANT.get(variant, tuple(c)))
+    if key == "-":
+        return ""
+    return (
+        f" (its sweep ended at the end of its list, at bs {last['batch']} with "
+        f"{last['decode_tokens_per_s']:.0f} tok/s; its lowest ceiling there: "
+        f"{CEILING_NAMES[key]} {c[key]:.0f} tok/s)"
+    )
 
 
 def _retrieval_parts(rec: dict[str, Any]) -> str:
@@ -442,9 +481,15 @@ def _retrieval_parts(rec: dict[str, Any]) -> str:
 
 
 def diagnose(
-    d: Data, herald: dict[int, dict[str, Any]], other: dict[str, Any], variant: str = "herald"
+    d: Data,
+    herald: dict[int, dict[str, Any]],
+    other: dict[str, Any],
+    variant: str = "herald",
+    need: float | None = None,
 ) -> list[str]:
-    """The limiting ceiling of HERALD's peak point, its number and what would lift it."""
+    """The limiting ceiling of HERALD's peak point, its number and what would lift it; with
+    ``need`` (tokens/s the target asks for), which of HERALD's ceilings at that batch lie below
+    it, so that lifting only the limiting one would not be enough."""
     top = peak(herald)
     if top is None:
         return ["  - HERALD has no measured point"]
@@ -459,19 +504,90 @@ def diagnose(
             f"lift: {LIFT['dram']}"
         )
     main, retr = _mean(top.get("block_main_s")), _mean(top.get("block_retrieval_s"))
+    stall = _mean(top.get("block_stall_s"))
     if main is not None and retr is not None:
         stream = "retrieval (CPU selection)" if retr > main else "main (GPU forwards)"
+        overlap = ""
+        if stall is not None:  # a block's wall time is the main stream plus its stall
+            wall = main + stall
+            overlap = (
+                f"; block wall = main + stall = {wall:.2f} s against the longer stream's "
+                f"{max(main, retr):.2f} s ({100 * (wall / max(main, retr) - 1):+.0f}%: the streams "
+                "overlap imperfectly)"
+            )
         out.append(
-            f"  - per block: main stream {main:.2f} s, retrieval stream {retr:.2f} s, stall {_f(_mean(top.get('block_stall_s')), '.2f')} s: the {stream} stream is the longer"
+            f"  - per block: main stream {main:.2f} s, retrieval stream {retr:.2f} s, stall {_f(stall, '.2f')} s: the {stream} stream is the longer"
             + _retrieval_parts(top)
+            + overlap
         )
-    key = _bound(c, RELEVANT["herald"])
+    keys = RELEVANT["herald"]
+    key = _bound(c, keys)
     if key != "-":
-        detail = ", ".join(f"{CEILING_NAMES[k]} {c[k]:.0f}" for k in CEILING_NAMES if k in c)
+        detail = ", ".join(f"{CEILING_NAMES[k]} {c[k]:.0f}" for k in keys if k in c)
         out.append(
-            f"  - limiting ceiling: **{CEILING_NAMES[key]} = {c[key]:.0f} tok/s** at bs {top['batch']} (all: {detail} tok/s); lift: {LIFT_SELECTED if key == 'cpu_selection' and variant == 'herald-selected' else LIFT[key]}"
+            f"  - limiting ceiling: **{CEILING_NAMES[key]} = {c[key]:.0f} tok/s** at bs {top['batch']} (HERALD's ceilings there: {detail} tok/s); lift: {LIFT_SELECTED if key == 'cpu_selection' and variant == 'herald-selected' else LIFT[key]}"
         )
+        if need is not None:
+            below = [k for k in keys if k in c and c[k] < need]
+            if below:
+                names = ", ".join(f"{CEILING_NAMES[k]} {c[k]:.0f}" for k in below)
+                out.append(
+                    f"  - the target needs {need:.0f} tok/s; below it at bs {top['batch']}: {names}: "
+                    + (
+                        "lifting the limiting ceiling alone is not enough"
+                        if len(below) > 1
+                        else "only the limiting ceiling is"
+                    )
+                    + (
+                        "; the next batch did not fit in DRAM, so a larger batch needs more DRAM too"
+                        if bigger and bigger[0]["status"] == "dram"
+                        else ""
+                    )
+                )
     return out
+
+
+def repeats(d: Data) -> list[str]:
+    """How much one measurement varies: points measured twice with the same configuration, the
+    80 GB cap and the whole GPU, where the capped point's peak GPU memory stayed under the cap
+    (so the cap did not change it). Each point times one or two blocks, and every peak in the
+    tables above is one such measurement."""
+    by_key: dict[tuple[Any, ...], dict[Any, dict[str, Any]]] = defaultdict(dict)
+    for p in d.points:
+        if p["status"] == "ok":
+            key = (p["model"], p["context"], p["variant"], p.get("budget"), p["steps"], p["batch"])
+            by_key[key][p.get("gpu_cap_gb")] = p
+    rows, diffs = [], []
+    for (m, ctx, v, _, t, bs), caps in sorted(
+        by_key.items(), key=lambda kv: str(kv[0][:5]) + f"{kv[0][5]:05d}"
+    ):
+        a, b = caps.get(CAP_H100), caps.get(None)
+        if a is None or b is None or (a.get("peak_gpu_gib") or 0) * 2**30 >= CAP_H100 * 1e9:
+            continue
+        x, y = a["decode_tokens_per_s"], b["decode_tokens_per_s"]
+        diff = 100 * (y / x - 1)
+        diffs.append(abs(diff))
+        runs = a["run_id"] if a["run_id"] == b["run_id"] else f"{a['run_id']}, {b['run_id']}"
+        rows.append(
+            f"| {plan.model_name(m)} | {_ctx(ctx)} | {v} | {t} | {bs} | {x:.0f} | {y:.0f} "
+            f"| {diff:+.1f}% | {runs} |"
+        )
+    if not rows:
+        return []
+    return [
+        "## Repeatability",
+        "",
+        f"{len(rows)} configurations were measured twice (once under the 80 GB cap, once on the "
+        "whole GPU, with the capped point's peak memory under the cap, so the cap did not bind): "
+        f"the two differ by {statistics.median(diffs):.1f}% (median) and up to {max(diffs):.1f}%. "
+        "Differences this large between two single measurements, often from runs hours apart "
+        "(code changed in between; see Provenance), are the noise of every peak in this report: "
+        "compare methods by more than this.",
+        "",
+        "| model | ctx | mode | T | bs | 80 GB cap tok/s | whole GPU tok/s | difference | runs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
 
 
 def all_points(d: Data) -> list[str]:
@@ -558,6 +674,7 @@ def write_report(out: Path) -> Path:
     lines += ["## Fig. 14 analog: denoising steps T (LLaDA2.0-mini, 80 GB cap)", ""]
     lines += fig14(d, out, plots) + [""]
     lines += sweeps_summary(d) + [""]
+    lines += repeats(d) + [""]
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]

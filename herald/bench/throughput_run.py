@@ -231,13 +231,14 @@ class Runner:
 
     def header(self) -> None:
         from herald.bench import ceilings
-        from herald.bench.common import command_line, machine_info
+        from herald.bench.common import code_version, command_line, machine_info
         from herald.bench.throughput_point import mem_available_gib
         from herald.kv.selection import kernel_info
 
         run = {
             "kind": "run", "run_id": self.run_id, "command": command_line(),
             "plan": self.args.plan, "part": self.args.part, "machine": machine_info(),
+            "code": code_version(),
             "kernel": kernel_info(), "mem_available_gib": mem_available_gib(),
             "settings": {k: getattr(self.args, k) for k in (
                 "warmup_blocks", "timed_blocks", "slow_block_s", "offload_cuda_graph", "kv_pad",

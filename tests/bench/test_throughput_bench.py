@@ -157,3 +157,14 @@ def test_failed_engine_constructor_leaves_no_retrieval_thread(monkeypatch):
             max_batch_size=2, max_seq_len=256,
         )  # fmt: skip
     assert sum(t.name == "herald-retrieval" for t in threading.enumerate()) == before
+
+
+def test_code_version_names_the_source():
+    import re
+
+    from herald.bench.common import code_version
+
+    a, b = code_version(), code_version()
+    assert a == b and re.fullmatch(r"[0-9a-f]{16}", a["source_sha256"])
+    if "git" in a:  # a clone knows its commit; a copied tree (the device machine) does not
+        assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", a["git"])

@@ -137,7 +137,7 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "| 32K | HERALD | 64 | 2500 |" in md
     assert "| 32K | 8 | 24 | 480 | 64 | 800 | 1.67 |" in md
     assert "| 32K | 20 | 24 | 1250 | 64 | 2500 | 2.00 |" in md
-    assert "python -m herald.bench.throughput --plan all" in md  # provenance
+    assert "python -m herald.bench.throughput --plan all` | - | NVIDIA H200" in md  # provenance
     # runs that differ only in their time limit share one settings line
     assert "Settings (every run): timed_blocks = 2, warmup_blocks = 1" in md
     assert "Every measured point" in md and "skipping a malformed line" in capsys.readouterr().out
