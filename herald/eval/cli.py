@@ -92,7 +92,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "cross_file_first: its first use, likewise; cross_file_random: random lines preferring "
         "such uses)",
     )
-    p.add_argument("--seed", type=int, default=0, help="example selection seed")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="example selection seed (cross_file_first / cross_file_later: it orders one pool of "
+        "every eligible target, so two seeds share targets once -n nears the pool's size)",
+    )
+    p.add_argument(
+        "--exclude-examples",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="JSON",
+        help="examples/<task>_<context>.json files of earlier runs: their targets (file and line "
+        "text) are not asked again, e.g. to confirm a choice made on them on other targets",
+    )
     p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")
     p.add_argument(
         "--analysis-examples", type=int, default=8, help="Fig. 7/9 analysis examples (0 = off)"
@@ -145,6 +160,26 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def _exclusions(paths: list[Path]) -> tuple[dict[str, set[tuple[str, str]]], list[str]]:
+    """``--exclude-examples``: task -> the (file, target line) pairs of the given example files,
+    and the files' selection hashes (recorded, so a resumed run must exclude the same)."""
+    drop: dict[str, set[tuple[str, str]]] = {}
+    hashes = []
+    for path in paths:
+        try:
+            sel = json.loads(path.read_text())
+            pairs = {(e["file"], e["target"]) for e in sel["examples"]}
+            task, digest = sel["task"], sel["selection_sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"--exclude-examples {path}: not an examples/<task>_<context>.json file of a "
+                f"herald eval run ({type(e).__name__}: {e})"
+            ) from None
+        drop.setdefault(task, set()).update(pairs)
+        hashes.append(digest)
+    return drop, sorted(hashes)
+
+
 def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     ckpt_dir = _checkpoint_dir(str(args.model))
     info = {
@@ -171,7 +206,7 @@ def _checkpoint_dir(model: str) -> Path | None:
     return Path(model) if Path(model).is_dir() else bundled_checkpoint(model)
 
 
-_RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples")
+_RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples", "exclude_examples")
 """Settings a unit already under --out must share with this command to be skipped (the device
 may differ: parts of one evaluation can run on different machines)."""
 _OTHER_TASK_KEYS = {
@@ -218,6 +253,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"wrote {write_report(out)}")
         return 0
     _check(args)
+    excluded, excluded_hashes = _exclusions(args.exclude_examples)
     from tqdm import tqdm
 
     from herald.bench.common import command_line, machine_info
@@ -270,6 +306,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "tasks": asdict(tcfg),
         "analysis": asdict(acfg),
         "num_examples": args.num_examples,
+        "exclude_examples": excluded_hashes,
         "device": str(device),
     }
     _check_resume(runs, units, run_config)
@@ -299,7 +336,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 msg = f"NOTE: {context}-token prompts cut to {eff} (model context {ctx_max})"
                 print(msg, file=sys.stderr)
             t0 = time.perf_counter()
-            exs = build_examples(task, corpus, tokenizer, eff, args.num_examples, tcfg)
+            drop = excluded.get(task, set())
+            n_build = args.num_examples + len(drop)  # enough that n remain after the exclusion
+            exs = build_examples(task, corpus, tokenizer, eff, n_build, tcfg)
+            if drop:
+                n_built = len(exs)
+                exs = [e for e in exs if (e.meta["file"], e.target) not in drop]
+                print(
+                    f"{task} at {context}: {n_built - len(exs)} of {n_built} built examples "
+                    f"excluded (--exclude-examples)",
+                    file=sys.stderr,
+                )
+            exs = exs[: args.num_examples]
             if not exs:
                 raise ValueError(f"no {task} example could be built at context {eff}")
             if len(exs) < args.num_examples:
@@ -317,6 +365,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "tokenizer": {"sha256": fingerprint(tokenizer), "model": str(args.model)},
                 "task_config": asdict(tcfg),
                 "build_seconds": time.perf_counter() - t0,
+                "excluded_from": [str(p) for p in args.exclude_examples],
                 "examples": [{"id": e.example_id, "target": e.target, **e.meta} for e in exs],
             }
             path = out / "examples" / f"{task}_{context}.json"

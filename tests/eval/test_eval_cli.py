@@ -105,3 +105,24 @@ def test_report_names_the_planned_units_of_parts_not_run(tmp_path):
     assert main(["eval", "--report", "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["not_run"] == []
     assert "Not run yet" not in (out / "README.md").read_text()
+
+
+def test_eval_exclude_examples(tmp_path, capsys):
+    base = [a for a in ARGS if a not in ("herald",)]
+    base[base.index("--analysis-examples") + 1] = "0"
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main([*base, "--out", str(first), "--no-report"]) == 0
+    seen = first / "examples" / "line_256.json"
+    assert main([*base, "--out", str(second), "--no-report", "--exclude-examples", str(seen)]) == 0
+    assert "excluded (--exclude-examples)" in capsys.readouterr().err
+
+    def targets(out):
+        sel = json.loads((out / "examples" / "line_256.json").read_text())
+        return {(e["file"], e["target"]) for e in sel["examples"]}
+
+    assert len(targets(second)) == 2 and not targets(first) & targets(second)
+    # the exclusion is part of the run's settings: resuming without it is refused
+    assert main([*base, "--out", str(second), "--no-report"]) == 2
+    assert "exclude_examples" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "c"), "--exclude-examples", str(tmp_path)]) == 2
+    assert "--exclude-examples" in capsys.readouterr().err
