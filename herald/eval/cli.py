@@ -153,6 +153,15 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
     if any(c <= args.control_tokens for c in args.contexts):
         raise ValueError(f"every context must exceed --control-tokens {args.control_tokens}")
+    for ctx in args.contexts if "line" in args.task else []:
+        cap = min(args.infile_tokens, ctx // 2)
+        if cap < args.control_tokens:
+            raise ValueError(
+                f"line at context {ctx}: the in-file context (min(--infile-tokens "
+                f"{args.infile_tokens}, context / 2) = {cap} tokens) is shorter than "
+                f"--control-tokens {args.control_tokens}, so the no-context control would see "
+                "cross-file context; raise --infile-tokens or lower --control-tokens"
+            )
     if "recall" in args.task and min(args.contexts) < args.min_distance + 64:
         raise ValueError(
             f"recall needs contexts >= --min-distance + 64 ({args.min_distance + 64}); "

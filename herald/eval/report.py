@@ -168,12 +168,53 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 if ok
                 else f"never within {NEAR_LOSSLESS:g} point of dense in {[b for b, _ in cands]}"
             )
-            lines.append(f"- {ctx} tokens, {mode}: average {op_txt}; {first}")
+            lines.append(
+                f"- {ctx} tokens, {mode}: average {op_txt}; {first}"
+                + _per_task_delta(units, table["tasks"], ctx, mode, op)
+            )
     return lines
+
+
+def _per_task_delta(
+    units: dict[str, dict[str, Any]], tasks: list[str], ctx: int, mode: str, budget: float
+) -> str:
+    """ " (mode minus dense per task, 95% paired bootstrap: line +0.6 [-1.2, +2.5], ...)": how
+    far the average's difference is from noise."""
+    parts = []
+    for task in tasks:
+        d, o = units.get(f"{task}_{ctx}_dense"), units.get(f"{task}_{ctx}_{mode}_{budget:g}")
+        if d is None or o is None or d["selection_sha256"] != o["selection_sha256"]:
+            continue
+        m = HEADLINE[task]
+        a, b = _per_example(o, m), _per_example(d, m)
+        lo, hi = paired_bootstrap(a, b)
+        parts.append(
+            f"{task} {100 * (sum(a) - sum(b)) / len(a):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+        )
+    if not parts:
+        return ""
+    return f" (minus dense at {budget:g} per task, 95% paired bootstrap: {', '.join(parts)})"
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _task_text(task: str, cfg: dict[str, Any]) -> str:
+    """One task's description for the report header, from the run's recorded settings."""
+    tasks = cfg.get("tasks", {})
+    if task == "line":
+        return (
+            "**line** = RepoBench-P-style next-line completion (cross-file context + in-file "
+            f"context of at most min({tasks.get('infile_tokens', '?')}, context / 2) tokens; "
+            f"targets: {_LINE_SETTING_TEXT.get(tasks.get('line_setting'), _OLD_LINES)}; "
+            "EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES)"
+        )
+    return (
+        f"**recall** = complete a use of an identifier defined at least "
+        f"{tasks.get('min_distance', '?')} tokens earlier and absent from the last "
+        f"{cfg.get('decode', {}).get('control_tokens', 512)} tokens (headline = EM)"
+    )
 
 
 def markdown(
@@ -193,14 +234,10 @@ def markdown(
         f"dates {min(u.get('date_utc', '') for u in units.values())} .. {max(u.get('date_utc', '') for u in units.values())}.",
         "",
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
-        "with sha256 of every file): **line** = RepoBench-P-style next-line completion (cross-file context + in-file "
-        f"context of at most {cfg.get('tasks', {}).get('infile_tokens', '?')} tokens or half the context; targets: "
-        f"{_LINE_SETTING_TEXT.get(cfg.get('tasks', {}).get('line_setting'), _OLD_LINES)}; "
-        "EM and edit similarity, ES = difflib.SequenceMatcher ratio, headline = ES); **recall** = complete a "
-        f"use of an identifier defined at least {cfg.get('tasks', {}).get('min_distance', '?')} tokens earlier "
-        "and absent from the last "
-        f"{cfg.get('decode', {}).get('control_tokens', 512)} tokens (headline = EM). **control** = dense on only the "
-        f"last {cfg.get('decode', {}).get('control_tokens', 512)} prompt tokens. Avg = mean of the headline scores; "
+        "with sha256 of every file): "
+        + "; ".join(_task_text(task, cfg) for task in table["tasks"])
+        + f". **control** = dense on only the last {cfg.get('decode', {}).get('control_tokens', 512)} "
+        "prompt tokens. Avg = mean of the headline scores; "
         "Δ = Avg - dense; agree = % of predictions identical to dense's. Decoding: greedy, "
         + (
             f"{cfg['decode']['steps']} fixed steps per block"

@@ -12,9 +12,10 @@ Two tasks, both deterministic for a seed and a tokenizer:
     tokens; the in-file context is always kept, capped at ``infile_tokens`` tokens: when the
     prefix is longer, it is (as RepoBench's ``import_statement`` + ``cropped_code``) the file's
     ``# file:`` header, its module-level import statements (at most half the cap) and the code
-    just above the target, cut on the left. Target lines are single-line statements of 10-160
-    characters that are not comments, docstrings, imports or decorators and do not already occur
-    in the file above. Three settings, after RepoBench's (``TaskConfig.line_setting``):
+    just above the target, cut on the left. Target lines are single-line logical lines of 10-160
+    characters (simple statements or compound-statement headers such as ``if x:`` or
+    ``except E:``) that are not comments, docstrings, imports or decorators and do not already
+    occur in the file above. Three settings, after RepoBench's (``TaskConfig.line_setting``):
 
     - ``cross_file_first``: the line where a name the file imports (above that line)
       from another file of its package is first read (a use, not a binding such as a parameter

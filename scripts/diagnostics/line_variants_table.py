@@ -4,7 +4,8 @@ Reads the ``herald eval`` folders that ``scripts/device/line_variants.sh`` write
 setting and in-file cap, each with ``runs/line_<context>_dense.json`` and ``..._control.json``)
 and prints, per folder, the number of examples, both ES scores and the paired-bootstrap interval
 of dense minus control at 95% and at the Bonferroni level for the number of folders compared
-(1 - 0.05 / k): choosing the best of k variants on the same data needs the wider interval.
+(1 - 0.05 / k): choosing the best of k variants on the same data needs the wider interval
+(conservative where variants share targets, e.g. two in-file caps of one setting).
 
     PYTHONPATH=. python scripts/diagnostics/line_variants_table.py results/eval/line-variants/*/
 """
@@ -37,8 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for folder in args.folders:
         runs = folder / "runs"
-        dense = _scores(runs / f"line_{args.context}_dense.json")
-        control = _scores(runs / f"line_{args.context}_control.json")
+        paths = [runs / f"line_{args.context}_{mode}.json" for mode in ("dense", "control")]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise SystemExit(f"{folder}: no {' or '.join(missing)} (another --context?)")
+        dense, control = (_scores(p) for p in paths)
         if dense.keys() != control.keys():
             raise SystemExit(f"{folder}: dense and control ran on different examples")
         ids = sorted(dense)

@@ -58,6 +58,9 @@ def test_eval_user_errors(tmp_path, capsys):
         main(["eval", "--out", str(tmp_path), "--contexts", "1024", "--control-tokens", "64"]) == 2
     )
     assert "recall needs contexts" in capsys.readouterr().err
+    line = ["eval", "--out", str(tmp_path), "--task", "line", "--contexts", "8192"]
+    assert main([*line, "--infile-tokens", "100"]) == 2
+    assert "no-context control would see cross-file context" in capsys.readouterr().err
     assert main(["eval", "--report", "--out", str(tmp_path / "none")]) == 2
 
 
