@@ -15,7 +15,6 @@ import ast
 import hashlib
 import io
 import platform
-import re
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Protocol
+
+from herald.pyimports import imported_modules, module_name
 
 EXCLUDED_DIRS = frozenset(
     {
@@ -42,14 +43,6 @@ EXCLUDED_DIRS = frozenset(
 
 MIN_FILE_CHARS = 400
 """Files shorter than this (stubs, ``__init__`` one-liners) are not eligible."""
-
-_IMPORT = re.compile(
-    r"^[ \t]*(?:from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]*)"
-    r"|import[ \t]+([^\n#;]*))",
-    re.MULTILINE,
-)
-"""``from .mod import a, (b, c)`` / ``import a.b as c`` at the start of a line (cheaper than
-parsing every sibling file; a docstring line that looks like an import only adds relatedness)."""
 
 
 class TextCodec(Protocol):
@@ -99,10 +92,7 @@ class SourceFile:
     @property
     def module(self) -> str:
         """Dotted module name (``email.utils``; a package's ``__init__`` is the package)."""
-        parts = self.rel[: -len(".py")].split("/")
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        return ".".join(parts)
+        return module_name(self.rel)
 
     @property
     def package(self) -> str:
@@ -201,13 +191,7 @@ class Corpus:
 
     @cached_property
     def _by_module(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for rel in self.rel_paths:
-            parts = rel[: -len(".py")].split("/")
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join(parts)] = rel
-        return out
+        return {module_name(rel): rel for rel in self.rel_paths}
 
     def resolve(self, module: str) -> str | None:
         """Dotted module name -> corpus file, or None."""
@@ -223,29 +207,10 @@ class Corpus:
         self._imports[rel] = found
         if f is None:
             return found
-        pkg_parts = f.module.split(".")
-        if not rel.endswith("__init__.py"):
-            pkg_parts = pkg_parts[:-1]
-
-        def add(module: str) -> None:
+        for module in imported_modules(f.text, rel):
             target = self.resolve(module)
             if target is not None and target != rel and target not in found:
                 found.append(target)
-
-        for m in _IMPORT.finditer(f.text):
-            dots, module, names, plain = m.groups()
-            if plain is not None:
-                for part in plain.split(","):
-                    add(part.split(" as ")[0].strip())
-                continue
-            if dots:
-                base = pkg_parts[: len(pkg_parts) - len(dots) + 1]
-                module = ".".join(base + ([module] if module else []))
-            add(module)
-            for part in names.strip("()").split(","):  # ``from pkg import submodule``
-                name = part.split(" as ")[0].strip()
-                if name.isidentifier():
-                    add(f"{module}.{name}")
         return found
 
     def relatedness(self, target: str, rel: str) -> int:
