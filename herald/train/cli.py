@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.train.config import SHAPE_FLAGS, ModelDims, TrainConfig, flag
+from herald.train.corpus import DATA_ORDERS
 
 _RESUME_NOTE = "; on --resume, must match the checkpoint if given"
 
@@ -52,6 +53,13 @@ def register(subparsers: Any) -> None:
         help="save fp32 weights + AdamW moments here (and restore them on --resume)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--data-order",
+        choices=DATA_ORDERS,
+        default=d.data_order,
+        help="files inside a package: package (shuffled by directory) or deps (each file after "
+        "the package files it imports, as in repository-level pretraining)",
+    )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
@@ -126,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume_state=args.resume_state,
         optimizer_file=args.optimizer_file,
         seed=args.seed,
+        data_order=args.data_order,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -153,6 +153,9 @@ class TrainConfig:
     checkpoint, so not in the repo). Without it a resumed run restarts the moments."""
     seed: int = 0
     """Seed of everything: data order, tokenizer sample, init, noise."""
+    data_order: str = "package"
+    """Files inside a package: ``package`` (directories and files shuffled) or ``deps`` (each
+    file after the package files it imports): :func:`herald.train.corpus.order_documents`."""
     seq_len: int = 8192
     """Tokens per training window (a multiple of the block size)."""
     batch_size: int = 4

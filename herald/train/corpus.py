@@ -26,8 +26,11 @@ Data recipe (issue 6), in order:
    concatenated; the EOS token ends each package's run of documents.
 7. **Order** (:func:`order_documents`): files of the same top-level package stay contiguous, so a
    training window holds related files, the long-range context the model must learn to use.
-   Packages in a seeded shuffle; inside a package, its directories in a seeded shuffle, and the
-   files of one directory together in a seeded shuffle.
+   Packages in a seeded shuffle; inside a package (``order="package"``, the default), its
+   directories in a seeded shuffle, and the files of one directory together in a seeded shuffle;
+   or (``order="deps"``, repository-level pretraining's dependency order) every file after the
+   files of its package that it imports (:func:`dependency_order`), so definitions come before
+   their cross-file uses, as in ``herald eval``'s line prompts.
 
 The manifest (:meth:`Corpus.manifest`) records counts, bytes, per-package sizes, skip reasons and
 two sha256 digests (of the sorted path list, and of the paths with their contents' digests), so a
@@ -49,6 +52,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from herald.pyimports import imported_modules, module_name
 
 MAX_FILE_BYTES = 256 * 1024
 MAX_LINE_CHARS = 2000
@@ -343,8 +348,66 @@ def package_ends(files: Sequence[SourceFile]) -> list[bool]:
     return [i + 1 == len(files) or files[i + 1].package != f.package for i, f in enumerate(files)]
 
 
-def order_documents(files: Sequence[SourceFile], seed: int) -> list[SourceFile]:
-    """Recipe step 7: package-contiguous order with seeded shuffles (same seed -> same order)."""
+DATA_ORDERS = ("package", "deps")
+
+
+def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[SourceFile]:
+    """One package's files with each after the files it imports (:mod:`herald.pyimports`):
+    a depth-first walk from the files in a seeded shuffle that emits a file once all its
+    imports are out; an import cycle is cut where the walk re-enters it."""
+    by_module = {module_name(f.path): f for f in files}
+    start = sorted(files, key=lambda f: f.path)
+    rng.shuffle(start)
+    out: list[SourceFile] = []
+    state: dict[str, int] = {}  # path -> 1 on the walk's stack, 2 emitted
+    for root in start:
+        stack: list[tuple[SourceFile, list[SourceFile]]] = []
+        if state.get(root.path):
+            continue
+        state[root.path] = 1
+        stack.append((root, _package_imports(root, by_module)))
+        while stack:
+            f, todo = stack[-1]
+            while todo and state.get(todo[-1].path):  # emitted, or on the stack (a cycle)
+                todo.pop()
+            if todo:
+                dep = todo.pop()
+                state[dep.path] = 1
+                stack.append((dep, _package_imports(dep, by_module)))
+            else:
+                stack.pop()
+                state[f.path] = 2
+                out.append(f)
+    return out
+
+
+def _package_imports(f: SourceFile, by_module: dict[str, SourceFile]) -> list[SourceFile]:
+    """The files of ``by_module`` that ``f`` imports, in reverse source order (popped from the
+    end, so visited in source order). The ``__init__`` of a package that holds ``f`` is left
+    out: ``from . import util`` names it, but it usually imports its submodules, so it belongs
+    after them."""
+    me = module_name(f.path)
+    deps = [
+        by_module[m]
+        for m in imported_modules(f.text, f.path)
+        if m in by_module and not me.startswith(m + ".")
+    ]
+    deps = [d for d in dict.fromkeys(deps) if d is not f]
+    return deps[::-1]
+
+
+def order_documents(
+    files: Sequence[SourceFile], seed: int, order: str = "package"
+) -> list[SourceFile]:
+    """Recipe step 7: package-contiguous order with seeded shuffles (same seed -> same order);
+    inside a package, directories then files shuffled (``order="package"``) or the dependency
+    order (``"deps"``, :func:`dependency_order`).
+
+    Raises:
+        ValueError: an unknown ``order`` (see :data:`DATA_ORDERS`).
+    """
+    if order not in DATA_ORDERS:
+        raise ValueError(f"data order must be one of {DATA_ORDERS}, got {order!r}")
     rng = random.Random(seed)
     by_pkg: dict[str, dict[str, list[SourceFile]]] = {}
     for f in sorted(files, key=lambda f: f.path):
@@ -354,6 +417,9 @@ def order_documents(files: Sequence[SourceFile], seed: int) -> list[SourceFile]:
     rng.shuffle(packages)
     out: list[SourceFile] = []
     for pkg in packages:
+        if order == "deps":
+            out.extend(dependency_order([f for d in by_pkg[pkg].values() for f in d], rng))
+            continue
         dirs = sorted(by_pkg[pkg])
         rng.shuffle(dirs)
         for d in dirs:

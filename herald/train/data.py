@@ -165,6 +165,7 @@ def prepare_data(
     site_dirs: list[Path] | None = None,
     stdlib_dirs: list[Path] | None = None,
     workers: int = 1,
+    order: str = "package",
     log: Callable[[str], None] = print,
 ) -> PreparedData:
     """Scan (stdlib, then third-party minus the stdlib), train the BPE unless ``backend`` is
@@ -186,7 +187,7 @@ def prepare_data(
         f"stdlib {std_manifest['file_count']} files, {std_manifest['bytes'] / 1e6:.1f} MB; "
         f"skipped {manifest['skipped']} ({timings['scan_s']:.1f} s)"
     )
-    ordered = order_documents(corpus.files, seed)
+    ordered = order_documents(corpus.files, seed, order)
     docs, eos_after = [f.document for f in ordered], package_ends(ordered)
     del corpus, ordered
     t = time.perf_counter()
@@ -199,14 +200,16 @@ def prepare_data(
             f"{sum(len(d.encode()) for d in sample) / 1e6:.1f} MB ({timings['tokenizer_s']:.1f} s)"
         )
     tok_digest = hashlib.sha256(backend.to_str().encode()).hexdigest()
-    key = stream_cache_key(STREAM_FORMAT, manifest["contents_sha256"], tok_digest, str(seed))
+    parts = [STREAM_FORMAT, manifest["contents_sha256"], tok_digest, str(seed)]
+    key = stream_cache_key(*parts, *([order] if order != "package" else []))
     t = time.perf_counter()
     stream = load_cached_stream(work_dir, key)
     if stream is None:
         stream = save_stream(work_dir, key, encode_documents(backend, docs, eos_after))
     timings["encode_s"] = time.perf_counter() - t
     log(
-        f"token stream: {stream.size / 1e6:.1f} M tokens, {manifest['bytes'] / stream.size:.2f} "
+        f"token stream ({order} order): {stream.size / 1e6:.1f} M tokens, "
+        f"{manifest['bytes'] / stream.size:.2f} "
         f"bytes/token, {stream.size // seq_len} windows of {seq_len} ({timings['encode_s']:.1f} s)"
     )
     val = stdlib_val_windows(stdlib, backend, seq_len, val_windows, seed) if val_windows else None

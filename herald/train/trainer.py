@@ -149,6 +149,7 @@ class Run:
             site_dirs=cfg.site_dirs,
             stdlib_dirs=cfg.stdlib_dirs,
             workers=workers,
+            order=cfg.data_order,
             log=self.log,
         )
         self.tokenizer = as_herald_tokenizer(self.data.backend)
@@ -156,6 +157,12 @@ class Run:
         old = self.state.get("data_manifest_sha256")
         if old is not None and old != self.data.manifest["contents_sha256"]:
             self.log("WARNING: the corpus differs from the resumed run's; data order differs")
+        old_order = self.state.get("data_order", "package")
+        if cfg.resume is not None and old_order != cfg.data_order:
+            self.log(
+                f"NOTE: data order {cfg.data_order} (the resumed run used {old_order}): the data "
+                "position carries over into the new order's stream"
+            )
         position = int(self.state.get("data_position", 0))
         old_len = int(self.state.get("seq_len", cfg.seq_len))
         position = position * old_len // cfg.seq_len
@@ -448,6 +455,7 @@ class Run:
             "epoch": self.sampler.epoch,
             "seq_len": cfg.seq_len,
             "seed": cfg.seed,
+            "data_order": cfg.data_order,
             "data_manifest_sha256": self.data.manifest["contents_sha256"],
             "stream_key": self.data.stream_key,
             "runs": runs,

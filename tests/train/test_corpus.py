@@ -107,3 +107,40 @@ def test_order_keeps_packages_and_directories_contiguous(trees) -> None:
     assert len(runs(dirs)) == len(set(dirs))
     others = {tuple(f.path for f in C.order_documents(files, seed=s)) for s in range(1, 6)}
     assert len(others) > 1  # the seed changes the order
+
+
+def _src(path: str, text: str) -> C.SourceFile:
+    return C.SourceFile(path, text)
+
+
+def test_dependency_order_puts_imports_first() -> None:
+    import random
+
+    files = [
+        _src("pkg/__init__.py", "from .api import run\n"),
+        _src("pkg/api.py", "from pkg.core import Engine\nfrom . import util\n"),
+        _src("pkg/core.py", "from .util import helper\nimport os\n"),
+        _src("pkg/util.py", "import pkg.core  # a cycle with core\n"),
+        _src("pkg/sub/__init__.py", ""),
+        _src("pkg/sub/x.py", "from ..core import Engine\nfrom ...outside import y\n"),
+    ]
+    for seed in range(8):
+        order = [f.path for f in C.dependency_order(files, random.Random(seed))]
+        assert sorted(order) == sorted(f.path for f in files)  # each file once
+        pos = {p: i for i, p in enumerate(order)}
+        assert pos["pkg/core.py"] < pos["pkg/api.py"] < pos["pkg/__init__.py"]
+        assert pos["pkg/util.py"] < pos["pkg/api.py"] and pos["pkg/core.py"] < pos["pkg/sub/x.py"]
+
+
+def test_order_documents_deps(trees) -> None:
+    import pytest
+
+    site, _ = trees
+    files = C.scan_third_party([site], None, stdlib_roots=[]).files
+    deps = C.order_documents(files, seed=0, order="deps")
+    assert sorted(f.path for f in deps) == sorted(f.path for f in files)
+    pkgs = [f.package for f in deps]
+    assert sum(1 for i, p in enumerate(pkgs) if i == 0 or pkgs[i - 1] != p) == 3  # contiguous
+    assert deps == C.order_documents(list(reversed(files)), seed=0, order="deps")
+    with pytest.raises(ValueError, match="data order"):
+        C.order_documents(files, seed=0, order="random")

@@ -91,11 +91,16 @@ def test_train_cli_writes_a_checkpoint_that_herald_generates_with(trees, tmp_pat
         == 0
     )
     # Resuming continues the count from the state file beside the checkpoint.
+    # Resuming continues the count; here on the dependency-ordered stream (a new cache key).
     argv2 = [a if a != str(out / "ckpt") else str(out / "ckpt2") for a in argv]
-    assert main([*argv2, "--resume", str(out / "ckpt")]) == 0
+    capsys.readouterr()
+    assert main([*argv2, "--resume", str(out / "ckpt"), "--data-order", "deps"]) == 0
+    printed = capsys.readouterr().out
+    assert "token stream (deps order)" in printed and "data order deps (the resumed" in printed
     state = json.loads((out / "train_state.json").read_text())
     assert state["global_step"] == 6 and state["data_position"] == 12
-    assert len(state["runs"]) == 2
+    assert len(state["runs"]) == 2 and state["data_order"] == "deps"
+    assert len(list((tmp_path / "work").glob("stream-*.u16"))) == 2  # one cached stream per order
 
 
 def test_resumed_run_matches_an_uninterrupted_one(trees, tmp_path) -> None:
