@@ -45,6 +45,8 @@ def imported_modules(text: str, rel: str) -> list[str]:
                 found.setdefault(part.split(" as ")[0].strip())
             continue
         if dots:
+            if len(dots) > len(pkg_parts):
+                continue  # beyond the top-level package: nothing it could name here
             base = pkg_parts[: len(pkg_parts) - len(dots) + 1]
             module = ".".join(base + ([module] if module else []))
         found.setdefault(module)

@@ -45,19 +45,23 @@ def machine_info() -> dict[str, Any]:
 
 
 def code_version() -> dict[str, str]:
-    """Which code measured a result: ``source_sha256`` (16 hex digits over every ``herald/``
-    source file's path and bytes, so it is the same wherever the tree is copied, e.g. to a
-    device machine without git history) and ``git`` (the commit, with ``+dirty`` for
-    uncommitted changes) where git knows the tree."""
+    """Which code measured a result: ``source_sha256`` (16 hex digits over the path and bytes
+    of every ``.py``, ``.cpp``, ``.h`` and ``.json`` file under ``herald/``: code and model
+    presets; the same wherever the tree is copied, e.g. to a device machine without git
+    history) and ``git`` (the commit, with ``+dirty`` for uncommitted changes under ``herald/``)
+    where ``herald/`` sits in a git checkout of its own repository."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+        if f.suffix in (".py", ".cpp", ".h", ".json") and f.is_file():
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     out = {"source_sha256": h.hexdigest()[:16]}
     try:
         git = ["git", "-C", str(root.parent)]
         kw: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 10, "check": True}
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], **kw).stdout.strip()
+        if Path(top).resolve() != root.parent:
+            return out  # herald/ installed inside some other checkout: its commit is not ours
         rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], **kw).stdout.strip()
         dirty = subprocess.run([*git, "status", "--porcelain", "--", "herald"], **kw).stdout
         out["git"] = rev + ("+dirty" if dirty.strip() else "")

@@ -29,8 +29,8 @@ def plot_fig12(
     ceilings: Ceilings, series: dict[str, dict[int, dict[str, Any]]], path: Path, title: str
 ) -> bool:
     """Throughput vs batch per mode, with the ceilings that can bind HERALD (per-block fetch,
-    CPU selection, GPU forward), MAGE (per-step and full-KV fetch) and Dense (GPU forward), each
-    at the measured points of its mode."""
+    CPU selection, GPU forward), MAGE (full-KV fetch), InfiniGen (per-block fetch of its budget)
+    and Dense (GPU forward), each at the measured points of its mode."""
     plt = pyplot()
     if plt is None:
         return False
@@ -49,7 +49,8 @@ def plot_fig12(
     for v, drawn in (
         ("herald", (("per_block_fetch", "c--"), ("cpu_selection_dram", "m:"),
                     ("cpu_selection", "m^:"), ("gpu_forward", "gs:"))),
-        ("mage", (("per_step_fetch", "b--"), ("full_kv_per_block_fetch", "r--"))),
+        ("mage", (("full_kv_per_block_fetch", "r--"),)),
+        ("infinigen", (("per_block_fetch", "y--"),)),
     ):  # fmt: skip
         ok = [r for _, r in sorted(series.get(v, {}).items()) if r["status"] == "ok"]
         cs = [(r["batch"], ceilings(r)) for r in ok]

@@ -562,7 +562,9 @@ def repeats(d: Data) -> list[str]:
         by_key.items(), key=lambda kv: str(kv[0][:5]) + f"{kv[0][5]:05d}"
     ):
         a, b = caps.get(CAP_H100), caps.get(None)
-        if a is None or b is None or (a.get("peak_gpu_gib") or 0) * 2**30 >= CAP_H100 * 1e9:
+        if a is None or b is None or a.get("peak_gpu_gib") is None:
+            continue
+        if a["peak_gpu_gib"] * 2**30 >= CAP_H100 * 1e9:  # the cap may have bound: not a repeat
             continue
         x, y = a["decode_tokens_per_s"], b["decode_tokens_per_s"]
         diff = 100 * (y / x - 1)

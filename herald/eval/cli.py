@@ -169,12 +169,20 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
-def _exclusions(paths: list[Path]) -> tuple[dict[str, set[tuple[str, str]]], list[str]]:
+def _exclusions(
+    paths: list[Path], out: Path
+) -> tuple[dict[str, set[tuple[str, str]]], dict[str, list[str]]]:
     """``--exclude-examples``: task -> the (file, target line) pairs of the given example files,
-    and the files' selection hashes (recorded, so a resumed run must exclude the same)."""
+    and task -> the files' selection hashes (recorded, so a resumed run must exclude the same
+    for that task). A file under ``out`` is refused: this run rewrites it."""
     drop: dict[str, set[tuple[str, str]]] = {}
-    hashes = []
+    hashes: dict[str, set[str]] = {}
     for path in paths:
+        if path.resolve().is_relative_to(out.resolve()):
+            raise ValueError(
+                f"--exclude-examples {path}: inside --out {out}, whose examples this run "
+                "rewrites; copy it elsewhere or use another --out"
+            )
         try:
             sel = json.loads(path.read_text())
             pairs = {(e["file"], e["target"]) for e in sel["examples"]}
@@ -185,8 +193,8 @@ def _exclusions(paths: list[Path]) -> tuple[dict[str, set[tuple[str, str]]], lis
                 f"herald eval run ({type(e).__name__}: {e})"
             ) from None
         drop.setdefault(task, set()).update(pairs)
-        hashes.append(digest)
-    return drop, sorted(hashes)
+        hashes.setdefault(task, set()).add(digest)
+    return drop, {task: sorted(h) for task, h in sorted(hashes.items())}
 
 
 def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
@@ -238,6 +246,11 @@ def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None
         for key in _RESUME_KEYS:
             if key not in old or old[key] == new[key]:
                 continue  # older results may lack a key: nothing to compare
+            if key == "exclude_examples":  # only this unit's task's exclusions change it
+                was = old[key] if isinstance(old[key], dict) else {u.task: old[key]}  # 1st form
+                if was.get(u.task, []) != new[key].get(u.task, []):
+                    diff.append(f"{key}.{u.task}: {was.get(u.task)} -> {new[key].get(u.task)}")
+                continue
             if isinstance(old[key], dict) and isinstance(new[key], dict):
                 skip = _OTHER_TASK_KEYS.get(u.task, ()) if key == "tasks" else ()
                 diff += [
@@ -262,7 +275,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"wrote {write_report(out)}")
         return 0
     _check(args)
-    excluded, excluded_hashes = _exclusions(args.exclude_examples)
+    excluded, excluded_hashes = _exclusions(args.exclude_examples, out)
     from tqdm import tqdm
 
     from herald.bench.common import command_line, machine_info

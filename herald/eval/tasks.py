@@ -28,9 +28,8 @@ Two tasks, both deterministic for a seed and a tokenizer:
     - ``cross_file_later`` (default): RepoBench's ``cross_file_random`` (a read of such an
       imported name that is not its first in the file) with ``cross_file_first``'s condition:
       none of the imported names the line reads occurs in the control window, so the control
-      sees neither their import nor their earlier uses; only the long context does. On the
-      H200 (Python 3.12, 8K, in-file cap 4096) the long context helps here and not on
-      ``cross_file_first`` (``results/eval/README.md``).
+      sees neither their import nor their earlier uses; only the long context does
+      (``results/eval/README.md`` has what the bundled model scores on each setting).
 
     The same targets are asked at every context length (paired; the in-file context and the
     control window do not depend on it once ``context`` holds both), only the amount of

@@ -237,6 +237,7 @@ def check_values(cfg: TrainConfig) -> None:
         return isinstance(x, int | float) and math.isfinite(x)
 
     need(cfg.seq_len >= 1, "seq_len", "positive")
+    need(cfg.data_order in ("package", "deps"), "data_order", "package or deps")
     need(cfg.batch_size >= 1, "batch_size", ">= 1")
     need(finite(cfg.lr) and cfg.lr > 0, "lr", "a positive number")
     need(finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")

@@ -355,8 +355,8 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
     """One package's files with each after the files it imports (:mod:`herald.pyimports`):
     a depth-first walk from the files in a seeded shuffle that emits a file once all its
     imports are out; an import cycle is cut where the walk re-enters it."""
-    by_module = {module_name(f.path): f for f in files}
     start = sorted(files, key=lambda f: f.path)
+    by_module = {module_name(f.path): f for f in start}
     rng.shuffle(start)
     out: list[SourceFile] = []
     state: dict[str, int] = {}  # path -> 1 on the walk's stack, 2 emitted
@@ -365,7 +365,7 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
         if state.get(root.path):
             continue
         state[root.path] = 1
-        stack.append((root, _package_imports(root, by_module)))
+        stack.append((root, package_imports(root, by_module)))
         while stack:
             f, todo = stack[-1]
             while todo and state.get(todo[-1].path):  # emitted, or on the stack (a cycle)
@@ -373,7 +373,7 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
             if todo:
                 dep = todo.pop()
                 state[dep.path] = 1
-                stack.append((dep, _package_imports(dep, by_module)))
+                stack.append((dep, package_imports(dep, by_module)))
             else:
                 stack.pop()
                 state[f.path] = 2
@@ -381,9 +381,10 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
     return out
 
 
-def _package_imports(f: SourceFile, by_module: dict[str, SourceFile]) -> list[SourceFile]:
-    """The files of ``by_module`` that ``f`` imports, in reverse source order (popped from the
-    end, so visited in source order). The ``__init__`` of a package that holds ``f`` is left
+def package_imports(f: SourceFile, by_module: dict[str, SourceFile]) -> list[SourceFile]:
+    """The files of ``by_module`` (module name -> file of ``f``'s package) that ``f`` imports,
+    in reverse source order (:func:`dependency_order` pops them from the end, so it visits them
+    in source order). The ``__init__`` of a package that holds ``f`` is left
     out: ``from . import util`` names it, but it usually imports its submodules, so it belongs
     after them."""
     me = module_name(f.path)

@@ -189,16 +189,22 @@ def prepare_data(
     )
     ordered = order_documents(corpus.files, seed, order)
     docs, eos_after = [f.document for f in ordered], package_ends(ordered)
+    # The BPE sample is drawn from the package order whatever the stream's order, so that two
+    # data orders train on the same tokenizer (and earlier runs' tokenizers stay reproducible).
+    sample_pool = (
+        docs if order == "package" else [f.document for f in order_documents(corpus.files, seed)]
+    )
     del corpus, ordered
     t = time.perf_counter()
     if backend is None:
-        sample = sample_documents(docs, tokenizer_sample_bytes, seed)
+        sample = sample_documents(sample_pool, tokenizer_sample_bytes, seed)
         backend = train_bpe(sample, vocab_size)
         timings["tokenizer_s"] = time.perf_counter() - t
         log(
             f"tokenizer: byte-level BPE, {backend.get_vocab_size()} ids, trained on "
             f"{sum(len(d.encode()) for d in sample) / 1e6:.1f} MB ({timings['tokenizer_s']:.1f} s)"
         )
+    del sample_pool
     tok_digest = hashlib.sha256(backend.to_str().encode()).hexdigest()
     parts = [STREAM_FORMAT, manifest["contents_sha256"], tok_digest, str(seed)]
     key = stream_cache_key(*parts, *([order] if order != "package" else []))

@@ -158,7 +158,7 @@ class Run:
         if old is not None and old != self.data.manifest["contents_sha256"]:
             self.log("WARNING: the corpus differs from the resumed run's; data order differs")
         old_order = self.state.get("data_order", "package")
-        if cfg.resume is not None and old_order != cfg.data_order:
+        if self.state and old_order != cfg.data_order:
             self.log(
                 f"NOTE: data order {cfg.data_order} (the resumed run used {old_order}): the data "
                 "position carries over into the new order's stream"

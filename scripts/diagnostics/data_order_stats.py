@@ -11,24 +11,22 @@ likely in the same training window). Compares ``herald train --data-order`` valu
 from __future__ import annotations
 
 import argparse
+import os
 
-from herald.pyimports import imported_modules, module_name
+from herald.pyimports import module_name
 from herald.train import corpus as C
 
 
 def edge_stats(order: list[C.SourceFile], near: int) -> tuple[float, float, int]:
-    """(share of edges dependency-first, share within ``near`` files before, edge count)."""
+    """(share of edges dependency-first, share within ``near`` files before, edge count); the
+    edges are those :func:`herald.train.corpus.dependency_order` follows."""
     pos = {f.path: i for i, f in enumerate(order)}
     by_module: dict[str, dict[str, C.SourceFile]] = {}
-    for f in order:
+    for f in sorted(order, key=lambda f: f.path):  # as dependency_order builds it
         by_module.setdefault(f.package, {})[module_name(f.path)] = f
     first = close = total = 0
     for f in order:
-        me = module_name(f.path)
-        for m in set(imported_modules(f.text, f.path)):
-            dep = by_module[f.package].get(m)
-            if dep is None or dep is f or me.startswith(m + "."):
-                continue
+        for dep in C.package_imports(f, by_module[f.package]):
             gap = pos[f.path] - pos[dep.path]
             total += 1
             first += gap > 0
@@ -42,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--near", type=int, default=5, help="files")
     p.add_argument("--workers", type=int, default=0, help="scan processes (0 = all cores)")
     args = p.parse_args(argv)
-    std = C.scan_stdlib(workers=args.workers)
-    corpus = C.scan_third_party(None, std, workers=args.workers)
+    workers = args.workers or os.cpu_count() or 1
+    std = C.scan_stdlib(workers=workers)
+    corpus = C.scan_third_party(None, std, workers=workers)
     print(f"{len(corpus.files)} files")
     for order in C.DATA_ORDERS:
         ordered = C.order_documents(corpus.files, args.seed, order)

@@ -129,3 +129,10 @@ def test_eval_exclude_examples(tmp_path, capsys):
     assert "exclude_examples" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "c"), "--exclude-examples", str(tmp_path)]) == 2
     assert "--exclude-examples" in capsys.readouterr().err
+    # an examples file of the same --out would be rewritten by the run itself
+    assert main([*base, "--out", str(first), "--exclude-examples", str(seen)]) == 2
+    assert "inside --out" in capsys.readouterr().err
+    # the same file twice is one exclusion: the finished run resumes
+    twice = ["--exclude-examples", str(seen), str(seen)]
+    assert main([*base, "--out", str(second), "--no-report", *twice]) == 0
+    assert "1 already done" in capsys.readouterr().err

@@ -90,8 +90,8 @@ def test_train_cli_writes_a_checkpoint_that_herald_generates_with(trees, tmp_pat
         )
         == 0
     )
-    # Resuming continues the count from the state file beside the checkpoint.
-    # Resuming continues the count; here on the dependency-ordered stream (a new cache key).
+    # Resuming continues the count from the state file beside the checkpoint; here on the
+    # dependency-ordered stream (a new cache key).
     argv2 = [a if a != str(out / "ckpt") else str(out / "ckpt2") for a in argv]
     capsys.readouterr()
     assert main([*argv2, "--resume", str(out / "ckpt"), "--data-order", "deps"]) == 0
