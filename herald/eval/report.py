@@ -126,17 +126,29 @@ SMALL_N = 30
 """Fewer examples than this: the acceptance line says the bootstrap is only a rough check."""
 
 
+def _paired(
+    units: dict[str, dict[str, Any]], task: str, ctx: int, first: str, second: str
+) -> tuple[list[float], list[float], float, float] | None:
+    """Headline scores of units ``<task>_<ctx>_<first>`` and ``..._<second>`` on the same
+    examples, and the 95% paired-bootstrap interval of first minus second (None when either
+    unit is missing or they ran on different selections)."""
+    x, y = units.get(f"{task}_{ctx}_{first}"), units.get(f"{task}_{ctx}_{second}")
+    if x is None or y is None or x["selection_sha256"] != y["selection_sha256"]:
+        return None
+    a, b = _per_example(x, HEADLINE[task]), _per_example(y, HEADLINE[task])
+    return (a, b, *paired_bootstrap(a, b))
+
+
 def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:
     """The issue's acceptance checks, one markdown bullet each."""
     lines = []
     for ctx in table["contexts"]:
         for task in table["tasks"]:
-            d, c = units.get(f"{task}_{ctx}_dense"), units.get(f"{task}_{ctx}_control")
-            if d is None or c is None or d["selection_sha256"] != c["selection_sha256"]:
+            pair = _paired(units, task, ctx, "dense", "control")
+            if pair is None:
                 continue
             m = HEADLINE[task]
-            a, b = _per_example(d, m), _per_example(c, m)
-            lo, hi = paired_bootstrap(a, b)
+            a, b, lo, hi = pair
             diff = 100 * (sum(a) - sum(b)) / len(a)
             clear = "clearly above" if lo > 0 else "NOT clearly above"
             lines.append(
@@ -182,12 +194,10 @@ def _per_task_delta(
     far the average's difference is from noise."""
     parts = []
     for task in tasks:
-        d, o = units.get(f"{task}_{ctx}_dense"), units.get(f"{task}_{ctx}_{mode}_{budget:g}")
-        if d is None or o is None or d["selection_sha256"] != o["selection_sha256"]:
+        pair = _paired(units, task, ctx, f"{mode}_{budget:g}", "dense")
+        if pair is None:
             continue
-        m = HEADLINE[task]
-        a, b = _per_example(o, m), _per_example(d, m)
-        lo, hi = paired_bootstrap(a, b)
+        a, b, lo, hi = pair
         parts.append(
             f"{task} {100 * (sum(a) - sum(b)) / len(a):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
         )
