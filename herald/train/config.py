@@ -21,6 +21,7 @@ from typing import Any
 from herald.models.config import SDAR_ARCH, ModelConfig
 from herald.models.quant import STORAGES, checkpoint_storage, stored_bytes
 from herald.models.registry import weight_specs
+from herald.train.corpus import DATA_ORDERS
 from herald.train.objective import LossWeighting
 from herald.train.tokenizer_train import EOS_ID, MASK_ID, MAX_VOCAB, MIN_VOCAB, PAD_ID
 
@@ -237,7 +238,7 @@ def check_values(cfg: TrainConfig) -> None:
         return isinstance(x, int | float) and math.isfinite(x)
 
     need(cfg.seq_len >= 1, "seq_len", "positive")
-    need(cfg.data_order in ("package", "deps"), "data_order", "package or deps")
+    need(cfg.data_order in DATA_ORDERS, "data_order", f"one of {', '.join(DATA_ORDERS)}")
     need(cfg.batch_size >= 1, "batch_size", ">= 1")
     need(finite(cfg.lr) and cfg.lr > 0, "lr", "a positive number")
     need(finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")

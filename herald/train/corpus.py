@@ -361,11 +361,10 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
     out: list[SourceFile] = []
     state: dict[str, int] = {}  # path -> 1 on the walk's stack, 2 emitted
     for root in start:
-        stack: list[tuple[SourceFile, list[SourceFile]]] = []
         if state.get(root.path):
             continue
         state[root.path] = 1
-        stack.append((root, package_imports(root, by_module)))
+        stack = [(root, package_imports(root, by_module))]
         while stack:
             f, todo = stack[-1]
             while todo and state.get(todo[-1].path):  # emitted, or on the stack (a cycle)
@@ -384,9 +383,8 @@ def dependency_order(files: Sequence[SourceFile], rng: random.Random) -> list[So
 def package_imports(f: SourceFile, by_module: dict[str, SourceFile]) -> list[SourceFile]:
     """The files of ``by_module`` (module name -> file of ``f``'s package) that ``f`` imports,
     in reverse source order (:func:`dependency_order` pops them from the end, so it visits them
-    in source order). The ``__init__`` of a package that holds ``f`` is left
-    out: ``from . import util`` names it, but it usually imports its submodules, so it belongs
-    after them."""
+    in source order). The ``__init__`` of a package that holds ``f`` is left out: ``from .
+    import util`` names it, but it usually imports its submodules, so it belongs after them."""
     me = module_name(f.path)
     deps = [
         by_module[m]

@@ -329,6 +329,8 @@ def test_check_values_names_the_flag() -> None:
         check_values(TrainConfig(out_dir=Path("x"), max_steps=0))
     with pytest.raises(ValueError, match="--loss-weighting"):
         check_values(TrainConfig(out_dir=Path("x"), loss_weighting="sum"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--data-order must be one of package, deps"):
+        check_values(TrainConfig(out_dir=Path("x"), data_order="random"))
 
 
 # ---- runs without a step, the run history -------------------------------------------------------
