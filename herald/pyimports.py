@@ -28,15 +28,28 @@ def module_name(rel: str) -> str:
     return ".".join(parts)
 
 
+def absolute_module(rel: str, level: int, module: str | None) -> str | None:
+    """The dotted name that ``from <level dots><module> import ...`` names in the file ``rel``:
+    ``module`` itself when ``level`` is 0, else resolved against ``rel``'s package
+    (``email/mime/text.py``, level 2, ``utils`` -> ``email.utils``); None when the dots go
+    beyond the top-level package."""
+    if not level:
+        return module or ""
+    pkg_parts = module_name(rel).split(".")
+    if not rel.endswith("__init__.py"):
+        pkg_parts = pkg_parts[:-1]
+    if level > len(pkg_parts):
+        return None
+    base = pkg_parts[: len(pkg_parts) - level + 1]
+    return ".".join(base + ([module] if module else []))
+
+
 def imported_modules(text: str, rel: str) -> list[str]:
     """Dotted names that the file ``rel`` (``/``-separated path, e.g. ``email/utils.py``) with
     source ``text`` may import, in source order, each once: every ``import a.b`` module, every
     ``from m import x`` module ``m`` (relative ones resolved against ``rel``'s package) and
     ``m.x`` (``x`` may be a submodule). Candidates, not checked: map them to files with a
     module -> file table, unknown names are simply not found there."""
-    pkg_parts = module_name(rel).split(".")
-    if not rel.endswith("__init__.py"):
-        pkg_parts = pkg_parts[:-1]
     found: dict[str, None] = {}
     for m in _IMPORT.finditer(text):
         dots, module, names, plain = m.groups()
@@ -44,11 +57,10 @@ def imported_modules(text: str, rel: str) -> list[str]:
             for part in plain.split(","):
                 found.setdefault(part.split(" as ")[0].strip())
             continue
-        if dots:
-            if len(dots) > len(pkg_parts):
-                continue  # beyond the top-level package: nothing it could name here
-            base = pkg_parts[: len(pkg_parts) - len(dots) + 1]
-            module = ".".join(base + ([module] if module else []))
+        resolved = absolute_module(rel, len(dots), module)
+        if resolved is None:
+            continue  # beyond the top-level package: nothing it could name here
+        module = resolved
         found.setdefault(module)
         for part in names.strip("()").split(","):  # ``from pkg import submodule``
             name = part.split(" as ")[0].strip()

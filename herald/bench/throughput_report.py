@@ -498,7 +498,8 @@ def diagnose(
         f"  - HERALD's peak: bs {top['batch']}, {top['decode_tokens_per_s']:.0f} tok/s; the other side: bs {other['batch']}, {other['decode_tokens_per_s']:.0f} tok/s"
     ]
     bigger = [r for b, r in sorted(herald.items()) if b > top["batch"]]
-    if bigger and bigger[0]["status"] == "dram":
+    dram_bound = bool(bigger) and bigger[0]["status"] == "dram"
+    if dram_bound:
         out.append(
             f"  - batch bound: bs {bigger[0]['batch']} did not fit in DRAM ({bigger[0].get('error', '')[:120]}); "
             f"lift: {LIFT['dram']}"
@@ -540,7 +541,7 @@ def diagnose(
                     )
                     + (
                         "; the next batch did not fit in DRAM, so a larger batch needs more DRAM too"
-                        if bigger and bigger[0]["status"] == "dram"
+                        if dram_bound
                         else ""
                     )
                 )
@@ -558,8 +559,9 @@ def repeats(d: Data) -> list[str]:
             key = (p["model"], p["context"], p["variant"], p.get("budget"), p["steps"], p["batch"])
             by_key[key][p.get("gpu_cap_gb")] = p
     rows, diffs = [], []
+    # budget may be None, so the configuration sorts by its text, then by batch as a number
     for (m, ctx, v, _, t, bs), caps in sorted(
-        by_key.items(), key=lambda kv: str(kv[0][:5]) + f"{kv[0][5]:05d}"
+        by_key.items(), key=lambda kv: (str(kv[0][:5]), kv[0][5])
     ):
         a, b = caps.get(CAP_H100), caps.get(None)
         if a is None or b is None or a.get("peak_gpu_gib") is None:

@@ -154,7 +154,7 @@ def _check(args: argparse.Namespace) -> None:
     if any(c <= args.control_tokens for c in args.contexts):
         raise ValueError(f"every context must exceed --control-tokens {args.control_tokens}")
     for ctx in args.contexts if "line" in args.task else []:
-        cap = min(args.infile_tokens, ctx // 2)
+        cap = TaskConfig(infile_tokens=args.infile_tokens).infile_cap(ctx)
         if cap < args.control_tokens:
             raise ValueError(
                 f"line at context {ctx}: the in-file context (min(--infile-tokens "

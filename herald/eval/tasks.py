@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from herald.eval.sources import Corpus, SourceFile, TextCodec
+from herald.pyimports import absolute_module
 
 TASKS = ("line", "recall")
 LINE_SETTINGS = ("cross_file_first", "cross_file_random", "cross_file_later")
@@ -126,6 +127,10 @@ class TaskConfig:
     name imported from another file of the package, absent from the control window
     (``cross_file_first``), a random line preferring such uses (``cross_file_random``), or a later
     use of such names, absent from the control window (``cross_file_later``)."""
+
+    def infile_cap(self, context: int) -> int:
+        """line: tokens of in-file context at ``context``: ``infile_tokens``, at most half."""
+        return max(1, min(self.infile_tokens, context // 2))
 
 
 def selection_hash(examples: list[Example]) -> str:
@@ -234,17 +239,10 @@ def _imported_package_names(f: SourceFile) -> set[str]:
     out: set[str] = set()
     if f.tree is None or not f.package:
         return out
-    pkg_parts = f.module.split(".")
-    if not f.rel.endswith("__init__.py"):
-        pkg_parts = pkg_parts[:-1]
     for node in ast.walk(f.tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg_parts[: len(pkg_parts) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            if module.split(".")[0] != f.package:
+            module = absolute_module(f.rel, node.level, node.module)
+            if module is None or module.split(".")[0] != f.package:
                 continue
             out.update((a.asname or a.name) for a in node.names if a.name != "*")
         elif isinstance(node, ast.Import):
@@ -404,7 +402,7 @@ def import_statements(f: SourceFile, before: int) -> list[str]:
 def _line_prompt(
     corpus: Corpus, codec: TextCodec, f: SourceFile, row: int, context: int, cfg: TaskConfig
 ) -> tuple[list[int], dict[str, Any]]:
-    cap = max(1, min(cfg.infile_tokens, context // 2))
+    cap = cfg.infile_cap(context)
     # NOTE: the prompt stops at the last non-blank character before the target line, not after
     # its newline. Byte-level BPE merges a newline with the next line's indentation into one
     # token ("\n" + 8 spaces), so a prompt ending in a bare "\n" token tells the model that the
