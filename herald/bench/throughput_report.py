@@ -594,6 +594,50 @@ def repeats(d: Data) -> list[str]:
     ]
 
 
+def remeasured(d: Data, files: list[Path]) -> list[str]:
+    """Points measured again: configurations of ``superseded/remeasured*.jsonl`` (points moved
+    out only so that a later run measures them again, not because a fix changed them) that the
+    current points measure too, same model, context, mode, budget, cap, T and batch. Their
+    difference shows the noise between runs hours apart, at different code versions."""
+    from herald.bench.throughput_run import load_records_file
+
+    old: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for path in files:
+        for p in load_records_file(path):
+            if p.get("kind") == "point" and p.get("status") == "ok":
+                old[_config(p)] = p  # later records win, as in the tables
+    pairs = [(old[_config(p)], p) for p in d.points if p["status"] == "ok" and _config(p) in old]
+    if not pairs:
+        return []
+    diffs = [100 * (b["decode_tokens_per_s"] / a["decode_tokens_per_s"] - 1) for a, b in pairs]
+    absd = [abs(x) for x in diffs]
+    rows = [
+        f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
+        f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
+        f"| {a['decode_tokens_per_s']:.0f} | {b['decode_tokens_per_s']:.0f} | {x:+.1f}% |"
+        for (a, b), x in sorted(zip(pairs, diffs), key=lambda t: -abs(t[1]))
+        if abs(x) >= 20
+    ]
+    names = ", ".join(f"`superseded/{f.name}`" for f in files)
+    return [
+        "### Measured again",
+        "",
+        f"{len(pairs)} configurations of {names} were measured again by the runs above (hours "
+        f"later, at a later code version): the two differ by {statistics.median(absd):.1f}% "
+        f"(median of the absolute differences; median signed {statistics.median(diffs):+.1f}%), "
+        f"{sum(x >= 10 for x in absd)} by 10% or more and up to {max(absd):.1f}%. "
+        + ("Those of 20% or more:" if rows else "None differs by 20% or more."),
+        "",
+        *(["| model | ctx | mode | cap GB | T | bs | before tok/s | again tok/s | difference |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows] if rows else []),
+    ]
+
+
+def _config(p: dict[str, Any]) -> tuple[Any, ...]:
+    return (p["model"], p["context"], p["variant"], p.get("budget"), p.get("gpu_cap_gb"),
+            p["steps"], p["batch"])
+
+
 def all_points(d: Data) -> list[str]:
     lines = ["<details><summary>Every measured point</summary>", "",
              "| model | ctx | variant | budget | cap | T | bs | status | tok/s | fwd ms | step0 ms | step1 ms | commit ms | main s | retrieval s | stall s | selection s/block | peak GiB | wall s |",
@@ -679,6 +723,7 @@ def write_report(out: Path) -> Path:
     lines += fig14(d, out, plots) + [""]
     lines += sweeps_summary(d) + [""]
     lines += repeats(d) + [""]
+    lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl"))) + [""]
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]

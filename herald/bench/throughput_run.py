@@ -40,14 +40,18 @@ def log(msg: str) -> None:
 def load_records(out: Path) -> list[dict[str, Any]]:
     """Every record of every ``*.jsonl`` under ``out`` (sorted by name; a partial last line, from
     a run killed mid-write, is skipped)."""
+    return [rec for path in sorted(out.glob("*.jsonl")) for rec in load_records_file(path)]
+
+
+def load_records_file(path: Path) -> list[dict[str, Any]]:
+    """The records of one ``.jsonl`` file (a malformed line is skipped, with a log line)."""
     recs: list[dict[str, Any]] = []
-    for path in sorted(out.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    recs.append(json.loads(line))
-                except json.JSONDecodeError:
-                    log(f"skipping a malformed line in {path}")
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                log(f"skipping a malformed line in {path}")
     return recs
 
 

@@ -148,3 +148,25 @@ def test_report_from_fixture(tmp_path, capsys):
                  "fig13_ablation.png", "fig14_steps.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 1000, name
         assert f"]({name})" in md
+
+
+def test_report_compares_points_measured_again(tmp_path):
+    """``superseded/remeasured*.jsonl`` points that the current points measure again are compared
+    (other superseded files, points superseded by a fix, are not)."""
+    write_fixture(tmp_path)
+    sup = tmp_path / "superseded"
+    sup.mkdir()
+    again = [_point(LLADA, K32, "dense", None, 8, 500.0),  # now 700: +40%
+             _point(LLADA, K32, "dense", None, 16, 1000.0),  # now 1100: +10%, not listed
+             _point(LLADA, K32, "dense", None, 40, 900.0),  # never measured now: no pair
+             _point(LLADA, K32, "dense", None, 24, 1000.0, cap=None)]  # other cap: no pair
+    (sup / "remeasured_in_one_run.jsonl").write_text("\n".join(json.dumps(r) for r in again))
+    fixed = [_point(LLADA, K32, "dense", None, 24, 100.0)]  # superseded by a fix: ignored
+    (sup / "some_fix.jsonl").write_text(json.dumps(fixed[0]))
+    assert throughput.main(["--report", str(tmp_path)]) == 0
+    md = (tmp_path / "README.md").read_text()
+    assert "2 configurations of `superseded/remeasured_in_one_run.jsonl` were measured again" in md
+    assert "differ by 25.0% (median of the absolute differences; median signed +25.0%), " in md
+    assert "up to 40.0%. Those of 20% or more:" in md
+    assert "| llada2-mini | 32K | dense | 80.0 | 20 | 8 | 500 | 700 | +40.0% |" in md
+    assert "| 16 | 1000 | 1100 |" not in md  # under 20%: counted, not listed
