@@ -87,10 +87,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--line-setting",
         choices=LINE_SETTINGS,
         default=TaskConfig.line_setting,
-        help="line: target lines, RepoBench's settings (default cross_file_later: a later use "
-        "of a name imported from another file of the package, absent from the control window; "
-        "cross_file_first: its first use, likewise; cross_file_random: random lines preferring "
-        "such uses)",
+        help="line: target lines, RepoBench's settings (default cross_file_random: random lines "
+        "preferring uses of names imported from other files of the package; cross_file_later: "
+        "a later use of such a name, absent from the control window; cross_file_first: its "
+        "first use, likewise)",
     )
     p.add_argument(
         "--seed",

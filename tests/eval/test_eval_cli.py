@@ -41,7 +41,7 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     # A setting of the other task does not change these units; the line's own settings do.
     assert main([*ARGS, "--out", str(out), "--no-report", "--min-distance", "100"]) == 0
     assert "3 already done" in capsys.readouterr().err
-    assert main([*ARGS, "--out", str(out), "--line-setting", "cross_file_random"]) == 2
+    assert main([*ARGS, "--out", str(out), "--line-setting", "cross_file_later"]) == 2
     assert "line_setting" in capsys.readouterr().err
     assert res["not_run"] == []
     # A planned unit without a result (a time limit stopped the call) is named in the report.
