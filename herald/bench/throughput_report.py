@@ -615,7 +615,7 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
         f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
         f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
         f"| {a['decode_tokens_per_s']:.0f} | {b['decode_tokens_per_s']:.0f} | {x:+.1f}% |"
-        for (a, b), x in sorted(zip(pairs, diffs), key=lambda t: -abs(t[1]))
+        for (a, b), x in sorted(zip(pairs, diffs, strict=True), key=lambda t: -abs(t[1]))
         if abs(x) >= 20
     ]
     names = ", ".join(f"`superseded/{f.name}`" for f in files)
@@ -628,14 +628,28 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
         f"{sum(x >= 10 for x in absd)} by 10% or more and up to {max(absd):.1f}%. "
         + ("Those of 20% or more:" if rows else "None differs by 20% or more."),
         "",
-        *(["| model | ctx | mode | cap GB | T | bs | before tok/s | again tok/s | difference |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows] if rows else []),
+        *(
+            [
+                "| model | ctx | mode | cap GB | T | bs | before tok/s | again tok/s | difference |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                *rows,
+            ]
+            if rows
+            else []
+        ),
     ]
 
 
 def _config(p: dict[str, Any]) -> tuple[Any, ...]:
-    return (p["model"], p["context"], p["variant"], p.get("budget"), p.get("gpu_cap_gb"),
-            p["steps"], p["batch"])
+    return (
+        p["model"],
+        p["context"],
+        p["variant"],
+        p.get("budget"),
+        p.get("gpu_cap_gb"),
+        p["steps"],
+        p["batch"],
+    )
 
 
 def all_points(d: Data) -> list[str]:
