@@ -160,8 +160,8 @@ def test_report_compares_points_measured_again(tmp_path):
         _point(LLADA, K32, "dense", None, 8, 500.0),  # now 700: +40%
         _point(LLADA, K32, "dense", None, 16, 1000.0),  # now 1100: +10%, not listed
         _point(LLADA, K32, "dense", None, 40, 900.0),  # never measured now: no pair
-        _point(LLADA, K32, "dense", None, 24, 1000.0, cap=None),
-    ]  # other cap: no pair
+        _point(LLADA, K32, "dense", None, 24, 1000.0, cap=None),  # other cap: no pair
+    ]
     (sup / "remeasured_in_one_run.jsonl").write_text("\n".join(json.dumps(r) for r in again))
     fixed = [_point(LLADA, K32, "dense", None, 24, 100.0)]  # superseded by a fix: ignored
     (sup / "some_fix.jsonl").write_text(json.dumps(fixed[0]))
