@@ -597,59 +597,97 @@ def repeats(d: Data) -> list[str]:
 def remeasured(d: Data, files: list[Path]) -> list[str]:
     """Points measured again: configurations of ``superseded/remeasured*.jsonl`` (points moved
     out only so that a later run measures them again, not because a fix changed them) that the
-    current points measure too, same model, context, mode, budget, cap, T and batch. Their
-    difference shows the noise between runs hours apart, at different code versions."""
+    current points measure too, same sweep (model, context, mode, budget, cap, T) and batch.
+    Their difference is the noise between runs hours apart plus whatever the code changed in
+    between, so it is given per mode (a mode whose code changed shifts as a whole). Old points
+    that ran but whose configuration now failed (out of memory, DRAM) are listed too."""
     from herald.bench.throughput_run import load_records_file
 
+    def key(p: dict[str, Any]) -> tuple[Any, ...]:
+        return (*plan.record_sweep_key(p), p["batch"])
+
+    def rate(p: dict[str, Any]) -> float:
+        x = p.get("decode_tokens_per_s")
+        return float(x) if isinstance(x, (int, float)) else 0.0
+
+    cuda = any(p.get("device") == "cuda" for p in d.points)
     old: dict[tuple[Any, ...], dict[str, Any]] = {}
     for path in files:
         for p in load_records_file(path):
-            if p.get("kind") == "point" and p.get("status") == "ok":
-                old[_config(p)] = p  # later records win, as in the tables
-    pairs = [(old[_config(p)], p) for p in d.points if p["status"] == "ok" and _config(p) in old]
-    if not pairs:
-        return []
-    diffs = [100 * (b["decode_tokens_per_s"] / a["decode_tokens_per_s"] - 1) for a, b in pairs]
-    absd = [abs(x) for x in diffs]
-    rows = [
-        f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
-        f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
-        f"| {a['decode_tokens_per_s']:.0f} | {b['decode_tokens_per_s']:.0f} | {x:+.1f}% |"
-        for (a, b), x in sorted(zip(pairs, diffs, strict=True), key=lambda t: -abs(t[1]))
-        if abs(x) >= 20
+            if p.get("kind") != "point" or p.get("status") != "ok" or rate(p) <= 0:
+                continue
+            if cuda and p.get("device") != "cuda":  # as Data keeps only the GPU points
+                continue
+            old[key(p)] = p  # later records win, as in the tables
+    now = {key(p): p for p in d.points}
+    pairs = [
+        (old[k], p) for k, p in now.items() if k in old and p["status"] == "ok" and rate(p) > 0
     ]
+    failed = [(old[k], p) for k, p in now.items() if k in old and p["status"] != "ok"]
+    if not pairs and not failed:
+        return []
+    lines = ["### Measured again", ""]
     names = ", ".join(f"`superseded/{f.name}`" for f in files)
-    return [
-        "### Measured again",
-        "",
-        f"{len(pairs)} configurations of {names} were measured again by the runs above (hours "
-        f"later, at a later code version): the two differ by {statistics.median(absd):.1f}% "
-        f"(median of the absolute differences; median signed {statistics.median(diffs):+.1f}%), "
-        f"{sum(x >= 10 for x in absd)} by 10% or more and up to {max(absd):.1f}%. "
-        + ("Those of 20% or more:" if rows else "None differs by 20% or more."),
-        "",
-        *(
-            [
+    if pairs:
+        diffs = [100 * (rate(b) / rate(a) - 1) for a, b in pairs]
+        absd = [abs(x) for x in diffs]
+        by_mode: dict[str, list[float]] = defaultdict(list)
+        for (_, b), x in zip(pairs, diffs, strict=True):
+            by_mode[b["variant"]].append(x)
+        lines += [
+            f"{len(pairs)} configurations of {names} were measured again by the runs above (hours "
+            f"later, at a later code version): the two differ by {statistics.median(absd):.1f}% "
+            f"(median of the absolute differences), {sum(x >= 10 for x in absd)} by 10% or more "
+            f"and up to {max(absd):.1f}%. A mode whose code changed in between shifts as a whole "
+            "(its signed median), the rest is run-to-run noise:",
+            "",
+            "| mode | configurations | median signed difference | median absolute | largest |",
+            "| --- | --- | --- | --- | --- |",
+            *(
+                f"| {v} | {len(xs)} | {statistics.median(xs):+.1f}% "
+                f"| {statistics.median(abs(x) for x in xs):.1f}% | {max(xs, key=abs):+.1f}% |"
+                for v, xs in sorted(by_mode.items())
+            ),
+            "",
+        ]
+        rows = [
+            f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
+            f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
+            f"| {rate(a):.0f} | {rate(b):.0f} | {x:+.1f}% |"
+            for (a, b), x in sorted(zip(pairs, diffs, strict=True), key=lambda t: -abs(t[1]))
+            if abs(x) >= 20
+        ]
+        if rows:
+            lines += [
+                "Configurations that differ by 20% or more:",
+                "",
                 "| model | ctx | mode | cap GB | T | bs | before tok/s | again tok/s | difference |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
                 *rows,
+                "",
             ]
-            if rows
-            else []
-        ),
-    ]
-
-
-def _config(p: dict[str, Any]) -> tuple[Any, ...]:
-    return (
-        p["model"],
-        p["context"],
-        p["variant"],
-        p.get("budget"),
-        p.get("gpu_cap_gb"),
-        p["steps"],
-        p["batch"],
-    )
+    if failed:
+        dram = any(b["status"] == "dram" for _, b in failed)
+        lines += [
+            f"{len(failed)} configuration(s) that ran before did not fit when measured again"
+            + (
+                " (a run sizes its CPU pool for all of its sweeps, which leaves another amount "
+                "of DRAM to a mode's pinned staging):"
+                if dram
+                else ":"
+            ),
+            "",
+            "| model | ctx | mode | cap GB | T | bs | before tok/s | again |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *(
+                f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
+                f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
+                f"| {rate(a):.0f} | {b['status']} |"
+                for a, b in failed
+            ),
+            "",
+        ]
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def all_points(d: Data) -> list[str]:

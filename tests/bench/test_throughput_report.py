@@ -161,6 +161,9 @@ def test_report_compares_points_measured_again(tmp_path):
         _point(LLADA, K32, "dense", None, 16, 1000.0),  # now 1100: +10%, not listed
         _point(LLADA, K32, "dense", None, 40, 900.0),  # never measured now: no pair
         _point(LLADA, K32, "dense", None, 24, 1000.0, cap=None),  # other cap: no pair
+        {**_point(LLADA, K32, "herald", 0.05, 16, 100.0), "device": "cpu"},  # CPU: ignored
+        {**_point(LLADA, K32, "herald", 0.05, 32, 100.0), "decode_tokens_per_s": 0.0},  # ignored
+        _point(LLADA, K32, "dense", None, 32, 1300.0),  # now "oom": listed as not fitting
     ]
     (sup / "remeasured_in_one_run.jsonl").write_text("\n".join(json.dumps(r) for r in again))
     fixed = [_point(LLADA, K32, "dense", None, 24, 100.0)]  # superseded by a fix: ignored
@@ -168,7 +171,10 @@ def test_report_compares_points_measured_again(tmp_path):
     assert throughput.main(["--report", str(tmp_path)]) == 0
     md = (tmp_path / "README.md").read_text()
     assert "2 configurations of `superseded/remeasured_in_one_run.jsonl` were measured again" in md
-    assert "differ by 25.0% (median of the absolute differences; median signed +25.0%), " in md
-    assert "up to 40.0%. Those of 20% or more:" in md
+    assert "differ by 25.0% (median of the absolute differences), 2 by 10% or more" in md
+    assert "| dense | 2 | +25.0% | 25.0% | +40.0% |" in md  # per mode
+    assert "Configurations that differ by 20% or more:" in md
+    assert "| llada2-mini | 32K | dense | 80.0 | 20 | 32 | 1300 | oom |" in md
+    assert "1 configuration(s) that ran before did not fit when measured again:" in md
     assert "| llada2-mini | 32K | dense | 80.0 | 20 | 8 | 500 | 700 | +40.0% |" in md
     assert "| 16 | 1000 | 1100 |" not in md  # under 20%: counted, not listed
