@@ -533,11 +533,13 @@ def diagnose(
             if below:
                 names = ", ".join(f"{CEILING_NAMES[k]} {c[k]:.0f}" for k in below)
                 out.append(
-                    f"  - the target needs {need:.0f} tok/s; below it at bs {top['batch']}: {names}: "
+                    f"  - the target needs {need:.0f} tok/s; "
                     + (
-                        "lifting the limiting ceiling alone is not enough"
+                        f"below it at bs {top['batch']}: {names}: lifting the limiting ceiling "
+                        "alone is not enough"
                         if len(below) > 1
-                        else "only the limiting ceiling is"
+                        else f"the only ceiling below it at bs {top['batch']} is the limiting "
+                        f"one, {names}"
                     )
                     + (
                         "; the next batch did not fit in DRAM, so a larger batch needs more DRAM too"
@@ -633,7 +635,7 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
         absd = [abs(x) for x in diffs]
         by_mode: dict[str, list[float]] = defaultdict(list)
         for (_, b), x in zip(pairs, diffs, strict=True):
-            by_mode[b["variant"]].append(x)
+            by_mode[_mode(b)].append(x)
         lines += [
             f"{len(pairs)} configurations of {names} were measured again by the runs above (hours "
             f"later, at a later code version): the two differ by {statistics.median(absd):.1f}% "
@@ -651,7 +653,7 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
             "",
         ]
         rows = [
-            f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
+            f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {_mode(b)} "
             f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
             f"| {rate(a):.0f} | {rate(b):.0f} | {x:+.1f}% |"
             for (a, b), x in sorted(zip(pairs, diffs, strict=True), key=lambda t: -abs(t[1]))
@@ -680,7 +682,7 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
             "| model | ctx | mode | cap GB | T | bs | before tok/s | again |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
             *(
-                f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {b['variant']} "
+                f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {_mode(b)} "
                 f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
                 f"| {rate(a):.0f} | {b['status']} |"
                 for a, b in failed
@@ -688,6 +690,11 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
             "",
         ]
     return lines[:-1] if lines[-1] == "" else lines
+
+
+def _mode(p: dict[str, Any]) -> str:
+    """``variant budget%`` (``dense`` has no budget)."""
+    return f"{p['variant']} {100 * p['budget']:g}%" if p.get("budget") else p["variant"]
 
 
 def all_points(d: Data) -> list[str]:
@@ -743,10 +750,16 @@ def sweeps_summary(d: Data) -> list[str]:
 
 
 def write_report(out: Path) -> Path:
-    """README.md (+ fig12_*.png, fig13_ablation.png, fig14_steps.png) in ``out`` from its JSONL."""
+    """README.md (+ fig12_*.png, fig13_ablation.png, fig14_steps.png) in ``out`` from its JSONL.
+
+    Raises ValueError if ``out`` is not a folder or its ``*.jsonl`` hold no measured point."""
     from herald.bench.throughput_run import load_records
 
+    if not out.is_dir():
+        raise ValueError(f"{out}: no such results folder")
     d = Data(load_records(out))
+    if not d.points:
+        raise ValueError(f"{out}: no measured point in its *.jsonl (nothing to report)")
     plots: list[str] = []
     lines = [
         "# Decode throughput vs batch, with measured ceilings (issue 5)",
@@ -775,7 +788,8 @@ def write_report(out: Path) -> Path:
     lines += fig14(d, out, plots) + [""]
     lines += sweeps_summary(d) + [""]
     lines += repeats(d) + [""]
-    lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl"))) + [""]
+    again = remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
+    lines += again + [""] if again else []
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]

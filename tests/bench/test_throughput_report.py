@@ -178,3 +178,15 @@ def test_report_compares_points_measured_again(tmp_path):
     assert "1 configuration(s) that ran before did not fit when measured again:" in md
     assert "| llada2-mini | 32K | dense | 80.0 | 20 | 8 | 500 | 700 | +40.0% |" in md
     assert "| 16 | 1000 | 1100 |" not in md  # under 20%: counted, not listed
+
+
+def test_report_refuses_a_folder_without_points(tmp_path, capsys):
+    assert throughput.main(["--report", str(tmp_path / "missing")]) == 2
+    assert "no such results folder" in capsys.readouterr().err
+    (tmp_path / "superseded").mkdir()  # only superseded points: nothing to report
+    (tmp_path / "superseded" / "old.jsonl").write_text(
+        json.dumps(_point(LLADA, K32, "dense", None, 8, 1.0))
+    )
+    assert throughput.main(["--report", str(tmp_path)]) == 2
+    assert "no measured point" in capsys.readouterr().err
+    assert not (tmp_path / "README.md").exists()
