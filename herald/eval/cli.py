@@ -61,17 +61,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--report", action="store_true", help="only rewrite the report from --out")
-    p.add_argument("--task", nargs="+", choices=TASKS, default=list(TASKS))
-    p.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 16384])
+    p.add_argument(
+        "--task", nargs="+", choices=TASKS, default=list(TASKS), help="tasks (default: both)"
+    )
+    p.add_argument(
+        "--contexts",
+        nargs="+",
+        type=int,
+        default=[4096, 8192, 16384],
+        help="context lengths in tokens (default: 4096 8192 16384)",
+    )
     p.add_argument(
         "--modes",
         nargs="+",
         choices=[m for m in MODES if m != "control"],
         default=["dense", "mage", "infinigen", "herald"],
+        help="methods, space-separated (default: dense mage infinigen herald; the no-context "
+        "control runs unless --no-control)",
     )
-    p.add_argument("--budgets", nargs="+", type=float, default=list(DEFAULT_BUDGETS))
-    p.add_argument("-n", "--num-examples", type=int, default=64, help="examples per task/context")
-    p.add_argument("--batch-size", type=int, default=16, help="requests decoding at once")
+    p.add_argument(
+        "--budgets",
+        nargs="+",
+        type=float,
+        default=list(DEFAULT_BUDGETS),
+        help="selection budgets, fractions of the context (default: "
+        + " ".join(f"{b:g}" for b in DEFAULT_BUDGETS)
+        + ")",
+    )
+    p.add_argument(
+        "-n", "--num-examples", type=int, default=64, help="examples per task/context (default: 64)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="requests decoding at once (default: 16)"
+    )
     p.add_argument("--threshold", type=float, default=0.95, help="confidence threshold")
     p.add_argument("--steps", type=int, default=None, help="fixed denoising steps per block")
     p.add_argument("--control-tokens", type=int, default=512, help="no-context control window")
@@ -152,7 +174,10 @@ def _check(args: argparse.Namespace) -> None:
             shown = values if flag == "--budgets" else values[0]
             raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
     if any(c <= args.control_tokens for c in args.contexts):
-        raise ValueError(f"every context must exceed --control-tokens {args.control_tokens}")
+        raise ValueError(
+            f"--contexts {' '.join(map(str, args.contexts))}: every context must exceed "
+            f"--control-tokens {args.control_tokens}"
+        )
     for ctx in args.contexts if "line" in args.task else []:
         cap = TaskConfig(infile_tokens=args.infile_tokens).infile_cap(ctx)
         if cap < args.control_tokens:

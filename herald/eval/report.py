@@ -155,7 +155,11 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 f"- {ctx} tokens, {task} ({m.upper()}): dense {100 * sum(a) / len(a):.1f} vs control {100 * sum(b) / len(b):.1f}: "
                 f"{diff:+.1f} points, 95% paired bootstrap [{100 * lo:+.1f}, {100 * hi:+.1f}] -> {clear}"
                 + (" (acceptance applies at 8K+)" if ctx < 8192 else "")
-                + (f" (only {len(a)} examples: a rough check)" if len(a) < SMALL_N else "")
+                + (
+                    f" (only {len(a)} example{'s' if len(a) != 1 else ''}: a rough check)"
+                    if len(a) < SMALL_N
+                    else ""
+                )
             )
     for ctx in table["contexts"]:
         rows = table["rows"][str(ctx)]
@@ -233,9 +237,24 @@ def markdown(
     table = summary_table(units)
     any_unit = next(iter(units.values()))
     cfg = any_unit.get("config", {})
+    # the header's line settings come from a line unit (a recall unit may record other ones,
+    # which do not change it, so one --out may hold both)
+    line_cfg = next((u.get("config", {}) for u in units.values() if u.get("task") == "line"), cfg)
+    random_weights = any(
+        u.get("config", {}).get("model", {}).get("random_weights") for u in units.values()
+    )
     lines = [
         "# herald eval: long-context accuracy (issue 6)",
         "",
+        *(
+            [
+                "**RANDOM WEIGHTS: the model has random weights, so every score below is noise "
+                "(a harness check, not an accuracy measurement).**",
+                "",
+            ]
+            if random_weights
+            else []
+        ),
         f"Model: `{cfg.get('model', {}).get('name', '?')}` ({cfg.get('model', {}).get('architecture', '?')}); "
         f"commands: "
         + ", ".join(sorted({f"`{u.get('command', '?')}`" for u in units.values()}))
@@ -245,7 +264,9 @@ def markdown(
         "",
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
         "with sha256 of every file): "
-        + "; ".join(_task_text(task, cfg) for task in table["tasks"])
+        + "; ".join(
+            _task_text(task, line_cfg if task == "line" else cfg) for task in table["tasks"]
+        )
         + f". **control** = dense on only the last {cfg.get('decode', {}).get('control_tokens', 512)} "
         "prompt tokens. Avg = mean of the headline scores; "
         "Δ = Avg - dense; agree = % of predictions identical to dense's. Decoding: greedy, "

@@ -54,3 +54,26 @@ def test_acceptance_lines_from_a_committed_run():
     assert "dense 40.8 vs control 34.0" in line and "-> clearly above" in line
     assert "(only 24 examples: a rough check)" in line
     assert any("herald: average +0.69 at its operating budget 0.05" in x for x in lines)
+
+
+def test_report_header_line_setting_and_random_weights():
+    """The header's line setting comes from a line unit even when a recall unit (whose units do
+    not depend on it) recorded another; a random-weight model gets a banner."""
+    import copy
+    from pathlib import Path
+
+    from herald.eval.report import collect, markdown
+
+    units, selections = collect(
+        Path(__file__).parents[2] / "results" / "eval" / "gpu-run3-random" / "8k"
+    )
+    recall = copy.deepcopy(units["line_8192_dense"])
+    recall["task"] = "recall"
+    recall["config"]["tasks"]["line_setting"] = "cross_file_later"
+    mixed = {"recall_8192_dense": recall, **units}
+    md = markdown(mixed, selections, None)
+    assert "targets: `cross_file_random`" in md and "targets: `cross_file_later`" not in md
+    assert "RANDOM WEIGHTS" not in md
+    for u in mixed.values():
+        u["config"]["model"]["random_weights"] = True
+    assert "**RANDOM WEIGHTS" in markdown(mixed, selections, None)
