@@ -196,12 +196,14 @@ def _check(args: argparse.Namespace) -> None:
 
 def _exclusions(
     paths: list[Path], out: Path
-) -> tuple[dict[str, set[tuple[str, str]]], dict[str, list[str]]]:
+) -> tuple[dict[str, set[tuple[str, str]]], dict[str, list[str]], dict[str, list[str]]]:
     """``--exclude-examples``: task -> the (file, target line) pairs of the given example files,
-    and task -> the files' selection hashes (recorded, so a resumed run must exclude the same
-    for that task). A file under ``out`` is refused: this run rewrites it."""
+    task -> the files' selection hashes (recorded, so a resumed run must exclude the same for
+    that task), and task -> the paths given for it. A file under ``out`` is refused: this run
+    rewrites it."""
     drop: dict[str, set[tuple[str, str]]] = {}
     hashes: dict[str, set[str]] = {}
+    files: dict[str, list[str]] = {}
     for path in paths:
         if path.resolve().is_relative_to(out.resolve()):
             raise ValueError(
@@ -219,7 +221,8 @@ def _exclusions(
             ) from None
         drop.setdefault(task, set()).update(pairs)
         hashes.setdefault(task, set()).add(digest)
-    return drop, {task: sorted(h) for task, h in sorted(hashes.items())}
+        files.setdefault(task, []).append(str(path))
+    return drop, {task: sorted(h) for task, h in sorted(hashes.items())}, files
 
 
 def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
@@ -300,7 +303,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"wrote {write_report(out)}")
         return 0
     _check(args)
-    excluded, excluded_hashes = _exclusions(args.exclude_examples, out)
+    excluded, excluded_hashes, excluded_files = _exclusions(args.exclude_examples, out)
     from tqdm import tqdm
 
     from herald.bench.common import command_line, machine_info
@@ -412,7 +415,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "tokenizer": {"sha256": fingerprint(tokenizer), "model": str(args.model)},
                 "task_config": asdict(tcfg),
                 "build_seconds": time.perf_counter() - t0,
-                "excluded_from": [str(p) for p in args.exclude_examples],
+                "excluded_from": excluded_files.get(task, []),
                 "examples": [{"id": e.example_id, "target": e.target, **e.meta} for e in exs],
             }
             path = out / "examples" / f"{task}_{context}.json"

@@ -125,6 +125,8 @@ def test_eval_exclude_examples(tmp_path, capsys):
         return {(e["file"], e["target"]) for e in sel["examples"]}
 
     assert len(targets(second)) == 2 and not targets(first) & targets(second)
+    sel = json.loads((second / "examples" / "line_256.json").read_text())
+    assert sel["excluded_from"] == [str(seen)]  # the line files given, per task
     # the exclusion is part of the run's settings: resuming without it is refused
     assert main([*base, "--out", str(second), "--no-report"]) == 2
     assert "exclude_examples" in capsys.readouterr().err
