@@ -109,10 +109,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--line-setting",
         choices=LINE_SETTINGS,
         default=TaskConfig.line_setting,
-        help="line: target lines, RepoBench's settings (default cross_file_random: random lines "
-        "preferring uses of names imported from other files of the package; cross_file_later: "
-        "a later use of such a name, absent from the control window; cross_file_first: its "
-        "first use, likewise)",
+        help="line: target lines, after RepoBench's settings (default cross_file_random: random "
+        "lines preferring uses of names imported from other files of the package; "
+        "cross_file_later: a later use of such a name, absent from the control window, which is "
+        "RepoBench's own cross_file_random plus that condition; cross_file_first: its first "
+        "use, likewise)",
     )
     p.add_argument(
         "--seed",

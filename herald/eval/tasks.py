@@ -24,8 +24,10 @@ Two tasks, both deterministic for a seed and a tokenizer:
       long context (the import statements and the other files) holds them.
     - ``cross_file_random`` (default): a random line, preferring lines that use a name imported
       from another file of the package (tier 2), then lines using a name defined at top level in
-      another file (tier 1), then any (tier 0). The setting on which the bundled model's long-
-      context gain was confirmed on held-out targets (``results/eval/README.md``).
+      another file (tier 1), then any (tier 0); so some targets use no cross-file name (not
+      RepoBench's ``cross_file_random``, which ``cross_file_later`` follows). The setting on which
+      the bundled model's long-context gain was confirmed on held-out targets
+      (``results/eval/README.md``).
     - ``cross_file_later``: RepoBench's ``cross_file_random`` (a read of such an
       imported name that is not its first in the file) with ``cross_file_first``'s condition:
       none of the imported names the line reads occurs in the control window, so the control
