@@ -237,9 +237,9 @@ def markdown(
     table = summary_table(units)
     any_unit = next(iter(units.values()))
     cfg = any_unit.get("config", {})
-    # the header's line settings come from a line unit (a recall unit may record other ones,
-    # which do not change it, so one --out may hold both)
-    line_cfg = next((u.get("config", {}) for u in units.values() if u.get("task") == "line"), cfg)
+    # each task's header text comes from a unit of that task: a unit records every task's
+    # settings, but only its own task's must match on resume (one --out may mix the others)
+    task_cfg = {u.get("task"): u.get("config", {}) for u in reversed(units.values())}
     random_weights = any(
         u.get("config", {}).get("model", {}).get("random_weights") for u in units.values()
     )
@@ -264,9 +264,7 @@ def markdown(
         "",
         "Tasks (built at run time from the local Python standard library, see `examples/*.json` for the selection "
         "with sha256 of every file): "
-        + "; ".join(
-            _task_text(task, line_cfg if task == "line" else cfg) for task in table["tasks"]
-        )
+        + "; ".join(_task_text(task, task_cfg.get(task, cfg)) for task in table["tasks"])
         + f". **control** = dense on only the last {cfg.get('decode', {}).get('control_tokens', 512)} "
         "prompt tokens. Avg = mean of the headline scores; "
         "Δ = Avg - dense; agree = % of predictions identical to dense's. Decoding: greedy, "

@@ -73,6 +73,11 @@ def test_report_header_line_setting_and_random_weights():
     mixed = {"recall_8192_dense": recall, **units}
     md = markdown(mixed, selections, None)
     assert "targets: `cross_file_random`" in md and "targets: `cross_file_later`" not in md
+    # and the recall text from a recall unit, wherever it sits among the units
+    recall["config"]["tasks"]["min_distance"] = 1234
+    md_last = markdown({**units, "recall_8192_dense": recall}, selections, None)
+    assert "defined at least 1234 tokens earlier" in md_last
+    assert "targets: `cross_file_random`" in md_last
     assert "RANDOM WEIGHTS" not in md
     for u in mixed.values():
         u["config"]["model"]["random_weights"] = True
