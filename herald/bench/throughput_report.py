@@ -653,9 +653,7 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
             "",
         ]
         rows = [
-            f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {_mode(b)} "
-            f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
-            f"| {rate(a):.0f} | {rate(b):.0f} | {x:+.1f}% |"
+            f"{_config_cells(b)} {rate(a):.0f} | {rate(b):.0f} | {x:+.1f}% |"
             for (a, b), x in sorted(zip(pairs, diffs, strict=True), key=lambda t: -abs(t[1]))
             if abs(x) >= 20
         ]
@@ -681,15 +679,18 @@ def remeasured(d: Data, files: list[Path]) -> list[str]:
             "",
             "| model | ctx | mode | cap GB | T | bs | before tok/s | again |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
-            *(
-                f"| {plan.model_name(b['model'])} | {_ctx(b['context'])} | {_mode(b)} "
-                f"| {b['gpu_cap_gb'] or 'whole GPU'} | {b['steps']} | {b['batch']} "
-                f"| {rate(a):.0f} | {b['status']} |"
-                for a, b in failed
-            ),
+            *(f"{_config_cells(b)} {rate(a):.0f} | {b['status']} |" for a, b in failed),
             "",
         ]
-    return lines[:-1] if lines[-1] == "" else lines
+    return lines
+
+
+def _config_cells(p: dict[str, Any]) -> str:
+    """A point's "| model | ctx | mode | cap GB | T | bs |" cells."""
+    return (
+        f"| {plan.model_name(p['model'])} | {_ctx(p['context'])} | {_mode(p)} "
+        f"| {p['gpu_cap_gb'] or 'whole GPU'} | {p['steps']} | {p['batch']} |"
+    )
 
 
 def _mode(p: dict[str, Any]) -> str:
@@ -788,8 +789,7 @@ def write_report(out: Path) -> Path:
     lines += fig14(d, out, plots) + [""]
     lines += sweeps_summary(d) + [""]
     lines += repeats(d) + [""]
-    again = remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
-    lines += again + [""] if again else []
+    lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]
