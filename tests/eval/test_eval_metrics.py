@@ -51,6 +51,31 @@ def test_paired_bootstrap_levels():
     assert paired_bootstrap(a, a) == (0.0, 0.0)
 
 
+def test_mean_paired_bootstrap():
+    import pytest
+
+    from herald.eval.report import mean_paired_bootstrap, paired_bootstrap
+
+    a = [0.3, 0.5, 0.4, 0.9, 0.2, 0.6, 0.7, 0.1] * 4
+    b = [0.2, 0.5, 0.1, 0.6, 0.2, 0.3, 0.7, 0.2] * 4
+    c, d = [1.0, 0.0, 0.0, 1.0, 0.0] * 10, [0.0] * 50
+    assert mean_paired_bootstrap([(a, b)]) == paired_bootstrap(a, b)
+    lo, hi = mean_paired_bootstrap([(a, b), (c, d)])
+    mean_ab, mean_cd = (sum(a) - sum(b)) / len(a), sum(c) / len(c)
+    assert lo < (mean_ab + mean_cd) / 2 < hi
+    # averaging two independent tasks narrows the interval of the wider one
+    lo_cd, hi_cd = paired_bootstrap(c, d)
+    assert hi - lo < hi_cd - lo_cd
+    # a task with no difference pulls the average (and its interval) about halfway to 0
+    lo0, hi0 = mean_paired_bootstrap([(c, d), (d, d)])
+    assert lo0 == pytest.approx(lo_cd / 2, abs=0.03) and hi0 == pytest.approx(hi_cd / 2, abs=0.03)
+    assert mean_paired_bootstrap([(a, b), (c, d)]) == (lo, hi)  # seeded
+    with pytest.raises(ValueError):
+        mean_paired_bootstrap([])
+    with pytest.raises(ValueError):
+        mean_paired_bootstrap([(a, b[:-1])])
+
+
 def test_line_variants_table(tmp_path, capsys):
     import json
     import sys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from eval_helpers import SMALL, stdlib_corpus, tokenizer
 
@@ -53,7 +54,12 @@ def test_acceptance_lines_from_a_committed_run():
     line = next(x for x in lines if "line (ES)" in x)
     assert "dense 40.8 vs control 34.0" in line and "-> clearly above" in line
     assert "(only 24 examples: a rough check)" in line
-    assert any("herald: average +0.69 at its operating budget 0.05" in x for x in lines)
+    # one task: the average's interval is that task's paired interval
+    herald = next(x for x in lines if "herald: average" in x)
+    assert "average +0.69 [" in herald and "at its operating budget 0.05" in herald
+    avg_lo_hi = herald.split("average +0.69 [")[1].split("]")[0].split(", ")
+    task_lo_hi = herald.split("line +0.7 [")[1].split("]")[0].split(", ")
+    assert [float(x) for x in avg_lo_hi] == pytest.approx([float(x) for x in task_lo_hi], abs=0.051)
 
 
 def test_report_header_line_setting_and_random_weights():
@@ -67,6 +73,7 @@ def test_report_header_line_setting_and_random_weights():
     units, selections = collect(
         Path(__file__).parents[2] / "results" / "eval" / "gpu-run3-random" / "8k"
     )
+    units = {k: u for k, u in units.items() if u["task"] == "line"}  # the recall units: made here
     recall = copy.deepcopy(units["line_8192_dense"])
     recall["task"] = "recall"
     recall["config"]["tasks"]["line_setting"] = "cross_file_later"
