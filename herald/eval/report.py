@@ -66,8 +66,9 @@ def mean_paired_bootstrap(
 ) -> tuple[float, float]:
     """``level`` bootstrap interval of the mean over ``pairs`` of mean(a) - mean(b): each pair is
     one task's per-example scores of two methods on the same examples (same order); every
-    resample draws each task's examples independently (the tasks have different examples), so
-    this is the interval of the tasks' average difference, the Avg column's Δ. One pair gives
+    resample draws each task's examples independently of the other tasks' (the tasks have
+    different examples), and the tasks weigh equally whatever their sizes, so this is the
+    interval of the tasks' average difference, the Avg column's Δ. One pair gives
     exactly ``paired_bootstrap``. Seeded: reports are reproducible.
 
     Raises ValueError for no pairs, an empty task, or a and b of different lengths."""
@@ -149,17 +150,25 @@ SMALL_N = 30
 """Fewer examples than this: the acceptance line says the bootstrap is only a rough check."""
 
 
-def _paired(
+def _scores(
     units: dict[str, dict[str, Any]], task: str, ctx: int, first: str, second: str
-) -> tuple[list[float], list[float], float, float] | None:
-    """Headline scores of units ``<task>_<ctx>_<first>`` and ``..._<second>`` on the same
-    examples, and the 95% paired-bootstrap interval of first minus second (None when either
-    unit is missing or they ran on different selections)."""
+) -> tuple[list[float], list[float]] | None:
+    """Per-example headline scores of units ``<task>_<ctx>_<first>`` and ``..._<second>`` on the
+    same examples (None when either unit is missing or they ran on different selections)."""
     x, y = units.get(f"{task}_{ctx}_{first}"), units.get(f"{task}_{ctx}_{second}")
     if x is None or y is None or x["selection_sha256"] != y["selection_sha256"]:
         return None
-    a, b = _per_example(x, HEADLINE[task]), _per_example(y, HEADLINE[task])
-    return (a, b, *paired_bootstrap(a, b))
+    return _per_example(x, HEADLINE[task]), _per_example(y, HEADLINE[task])
+
+
+def _paired(
+    units: dict[str, dict[str, Any]], task: str, ctx: int, first: str, second: str
+) -> tuple[list[float], list[float], float, float] | None:
+    """``_scores`` and the 95% paired-bootstrap interval of first minus second."""
+    pair = _scores(units, task, ctx, first, second)
+    if pair is None:
+        return None
+    return (*pair, *paired_bootstrap(*pair))
 
 
 def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[str]:
@@ -228,10 +237,10 @@ def _average_interval(
     over every task either)."""
     pairs = []
     for task in tasks:
-        pair = _paired(units, task, ctx, f"{mode}_{budget:g}", "dense")
+        pair = _scores(units, task, ctx, f"{mode}_{budget:g}", "dense")
         if pair is None:
             return ""
-        pairs.append((pair[0], pair[1]))
+        pairs.append(pair)
     lo, hi = mean_paired_bootstrap(pairs)
     return f" [{100 * lo:+.2f}, {100 * hi:+.2f}]"
 
@@ -364,7 +373,8 @@ def markdown(
         "## Acceptance checks",
         "",
         "Brackets are 95% bootstrap intervals of a difference: paired within a task (the same"
-        " examples), the tasks resampled independently for their average.",
+        " examples); for the average of the tasks, each task's examples are resampled"
+        " independently of the other's.",
         "",
         *acceptance(units, table),
         "",

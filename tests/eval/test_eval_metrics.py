@@ -70,6 +70,10 @@ def test_mean_paired_bootstrap():
     lo0, hi0 = mean_paired_bootstrap([(c, d), (d, d)])
     assert lo0 == pytest.approx(lo_cd / 2, abs=0.03) and hi0 == pytest.approx(hi_cd / 2, abs=0.03)
     assert mean_paired_bootstrap([(a, b), (c, d)]) == (lo, hi)  # seeded
+    # the tasks weigh equally whatever their sizes (not one pooled resample weighted by n):
+    # 10 examples all +1 and 1,000 all 0 average to +0.5, with no spread at all
+    ones, zeros = ([1.0] * 10, [0.0] * 10), ([0.0] * 1000, [0.0] * 1000)
+    assert mean_paired_bootstrap([ones, zeros], reps=50) == (0.5, 0.5)
     with pytest.raises(ValueError):
         mean_paired_bootstrap([])
     with pytest.raises(ValueError):

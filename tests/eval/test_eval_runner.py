@@ -62,6 +62,41 @@ def test_acceptance_lines_from_a_committed_run():
     assert [float(x) for x in avg_lo_hi] == pytest.approx([float(x) for x in task_lo_hi], abs=0.051)
 
 
+def test_acceptance_average_intervals_of_two_tasks():
+    """Both tasks (results/eval/gpu-run3-random, 256 examples per task): the average's interval
+    resamples each task's examples on their own, at the operating budget and, separately, at the
+    first budget within 1 point; known values of the committed run."""
+    from pathlib import Path
+
+    from herald.eval.report import acceptance, collect, mean_paired_bootstrap, summary_table
+
+    out = Path(__file__).parents[2] / "results" / "eval" / "gpu-run3-random" / "8k"
+    units, _ = collect(out)
+    lines = acceptance(units, summary_table(units))
+    herald = next(x for x in lines if "8192 tokens, herald:" in x)
+    assert "average -1.32 [-2.51, -0.19] at its operating budget 0.05" in herald
+    assert "within 1 point of dense from budget 0.1 (-0.92 [-1.95, +0.02])" in herald
+    # the same interval from the two tasks' per-example scores, computed here
+    pairs = [
+        tuple(
+            [float(e[m]) for e in units[f"{t}_8192_{k}"]["examples"]]
+            for k in ("herald_0.1", "dense")
+        )
+        for t, m in (("line", "es"), ("recall", "em"))
+    ]
+    lo, hi = mean_paired_bootstrap(pairs)
+    assert f"[{100 * lo:+.2f}, {100 * hi:+.2f}]" == "[-1.95, +0.02]"
+    # a mode never within 1 point prints no second interval
+    infinigen = next(x for x in lines if "8192 tokens, infinigen:" in x)
+    assert "average -1.16 [-2.58, +0.26]" in infinigen and "never within 1 point" in infinigen
+    # with one task's unit missing there is no average at that budget, and no interval
+    del units["recall_8192_herald_0.05"]
+    lines = acceptance(units, summary_table(units))
+    herald = next(x for x in lines if "8192 tokens, herald:" in x)
+    assert "operating budget not run" in herald and "-1.32" not in herald
+    assert "(-0.92 [-1.95, +0.02])" in herald
+
+
 def test_report_header_line_setting_and_random_weights():
     """The header's line setting comes from a line unit even when a recall unit (whose units do
     not depend on it) recorded another; a random-weight model gets a banner."""
