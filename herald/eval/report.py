@@ -211,7 +211,12 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 f"{at_op:+.2f}{_average_interval(units, tasks, ctx, mode, op)}"
                 f" at its operating budget {op:g}"
                 if at_op is not None
-                else "operating budget not run"
+                else f"at its operating budget {op:g}: "
+                + (
+                    "not run for every task"
+                    if any(f"{t}_{ctx}_{mode}_{op:g}" in units for t in tasks)
+                    else "not run"
+                )
             )
             if ok:
                 at_first = next(dlt for b, dlt in cands if b == min(ok))
