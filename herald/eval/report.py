@@ -38,17 +38,42 @@ _OLD_LINES = "tiered random lines, in-file context without its imports (runs bef
 
 
 def collect(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """(unit key -> result, "task_context" -> example selection) found under ``out``."""
+    """(unit key -> result, "task_context" -> example selection) found under ``out``, its
+    sub-folders included (the parts of one run merge; a unit found twice keeps its newest result).
+
+    Raises:
+        ValueError: the folder mixes runs that must not merge: units of models with different
+            configs, or two example selections of one task and context (other seeds, settings or
+            corpora); merge only the parts of one run.
+    """
     units: dict[str, dict[str, Any]] = {}
+    models: dict[str, Path] = {}
     for path in sorted(out.rglob("runs/*.json")):
         res = json.loads(path.read_text())
         key = res["unit"]
+        model = res.get("config", {}).get("model", {}).get("config_sha256")
+        if model is not None:
+            models.setdefault(model, path)
         if key not in units or res.get("date_utc", "") > units[key].get("date_utc", ""):
             units[key] = res
+    if len(models) > 1:
+        first, second = list(models.values())[:2]
+        raise ValueError(
+            f"{out} mixes runs of {len(models)} different models (e.g. {first} and {second}); "
+            "merge only the parts of one run, or report each folder on its own"
+        )
     selections: dict[str, dict[str, Any]] = {}
+    paths: dict[str, Path] = {}
     for path in sorted(out.rglob("examples/*.json")):
         sel = json.loads(path.read_text())
-        selections[f"{sel['task']}_{sel['context']}"] = sel
+        key = f"{sel['task']}_{sel['context']}"
+        if key in selections and selections[key]["selection_sha256"] != sel["selection_sha256"]:
+            raise ValueError(
+                f"{out} holds two different {key} example selections ({paths[key]} and {path}: "
+                "other seeds, settings or corpora); merge only the parts of one run, or report "
+                "each folder on its own"
+            )
+        selections[key], paths[key] = sel, path
     return units, selections
 
 

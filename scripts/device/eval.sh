@@ -15,10 +15,11 @@
 # The device machine returns at most 8 files from $OUT, none deeper than $OUT/a/b/file, so the
 # whole part comes back as ONE archive, $OUT/eval-<part>.tgz (the folder itself is removed after
 # packing): unpack it on the dev machine with tar xzf eval-<part>.tgz -C <dest> (gives <dest>/<part>).
-# Merge on the dev machine: unpack each part into results/eval/, then
-#   python -m herald.cli eval --report --out results/eval
-# To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from an untracked
-# results/eval/<part> in the working tree) and rerun the same part: finished units are skipped.
+# Merge on the dev machine: unpack each part of one run into one folder, then
+#   python -m herald.cli eval --report --out results/eval/<run>
+# (parts of one run only: --report refuses a folder that mixes models or example selections).
+# To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from the committed
+# results/eval/<run>/<part>) and rerun the same part: finished units are skipped.
 #
 # Env: CKPT (checkpoint directory, required), N (64 examples per task and context),
 #      TIME_LIMIT (480), ANALYSIS (8 examples for Fig. 7/9; 0 = off), EXTRA (more flags),

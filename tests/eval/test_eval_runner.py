@@ -125,3 +125,54 @@ def test_report_header_line_setting_and_random_weights():
     for u in mixed.values():
         u["config"]["model"]["random_weights"] = True
     assert "**RANDOM WEIGHTS" in markdown(mixed, selections, None)
+
+
+def test_report_refuses_to_merge_other_runs(tmp_path):
+    """Parts of one run merge; units of another model, or another example selection of the same
+    task and context, make --report refuse instead of mixing them into one table."""
+    import shutil
+    from pathlib import Path
+
+    import pytest
+
+    from herald.eval.report import collect
+
+    ev = Path(__file__).parents[2] / "results" / "eval"
+    parts = tmp_path / "one-run"
+    for part in ("4k", "16k-recall"):  # two parts of gpu-run3-random
+        for sub in ("runs", "examples"):
+            (parts / part / sub).mkdir(parents=True)
+        for name in ("recall_4096_dense", "recall_16384_dense"):
+            src = ev / "gpu-run3-random" / part / "runs" / f"{name}.json"
+            if src.is_file():
+                shutil.copy(src, parts / part / "runs")
+        for src in (ev / "gpu-run3-random" / part / "examples").glob("recall_*.json"):
+            shutil.copy(src, parts / part / "examples")
+    units, selections = collect(parts)
+    assert set(units) == {"recall_4096_dense", "recall_16384_dense"}
+    assert set(selections) == {"recall_4096", "recall_16384"}
+
+    other_model = tmp_path / "other-model"
+    shutil.copytree(parts, other_model)
+    (other_model / "28m" / "runs").mkdir(parents=True)
+    shutil.copy(
+        ev / "gpu-28m" / "8k" / "runs" / "line_8192_dense.json", other_model / "28m" / "runs"
+    )
+    with pytest.raises(ValueError, match="different models"):
+        collect(other_model)
+
+    other_selection = tmp_path / "other-selection"
+    shutil.copytree(parts, other_selection)
+    (other_selection / "seed2" / "examples").mkdir(parents=True)
+    shutil.copy(  # recall at 8K, seed 2 ...
+        ev / "gpu-run3-random" / "8k" / "examples" / "recall_8192.json",
+        other_selection / "seed2" / "examples",
+    )
+    collect(other_selection)  # ... is another context: fine
+    (other_selection / "again" / "examples").mkdir(parents=True)
+    shutil.copy(  # recall at 8K from the CPU run: another corpus, same task and context
+        ev / "cpu-run3-recall" / "8k" / "examples" / "recall_8192.json",
+        other_selection / "again" / "examples",
+    )
+    with pytest.raises(ValueError, match="two different recall_8192 example selections"):
+        collect(other_selection)
