@@ -211,6 +211,8 @@ def _exclusions(
                 f"--exclude-examples {path}: inside --out {out}, whose examples this run "
                 "rewrites; copy it elsewhere or use another --out"
             )
+        if not path.is_file():
+            raise ValueError(f"--exclude-examples {path}: no such file")
         try:
             sel = json.loads(path.read_text())
             pairs = {(e["file"], e["target"]) for e in sel["examples"]}
@@ -305,6 +307,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     _check(args)
     excluded, excluded_hashes, excluded_files = _exclusions(args.exclude_examples, out)
+    for task in sorted(set(excluded_files) - set(args.task)):
+        print(
+            f"NOTE: --exclude-examples {' '.join(excluded_files[task])}: {task} examples, "
+            f"ignored (this run's tasks: {' '.join(args.task)})",
+            file=sys.stderr,
+        )
     from tqdm import tqdm
 
     from herald.bench.common import command_line, machine_info

@@ -404,7 +404,10 @@ def markdown(
         "",
         "Brackets are 95% bootstrap intervals of a difference: paired within a task (the same"
         " examples); for the average of the tasks, each task's examples are resampled"
-        " independently of the other's.",
+        " independently of the other's. *Clearly above*: the interval's lower bound is above 0."
+        " *Within 1 point*: the average's point estimate is at most 1 point below dense (above"
+        " dense counts too); *from budget X*: the lowest budget, of those run for every task,"
+        " where it holds (a higher budget may still miss).",
         "",
         *acceptance(units, table),
         "",

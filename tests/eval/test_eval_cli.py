@@ -139,3 +139,10 @@ def test_eval_exclude_examples(tmp_path, capsys):
     twice = ["--exclude-examples", str(seen), str(seen)]
     assert main([*base, "--out", str(second), "--no-report", *twice]) == 0
     assert "1 already done" in capsys.readouterr().err
+    # a missing file is named as such; another task's examples are ignored with a note
+    assert main([*base, "--out", str(tmp_path / "d"), "--exclude-examples", "nope.json"]) == 2
+    assert "nope.json: no such file" in capsys.readouterr().err
+    recall = tmp_path / "recall_256.json"
+    recall.write_text(json.dumps({"task": "recall", "selection_sha256": "0" * 64, "examples": []}))
+    assert main([*base, "--out", str(second), "--no-report", *twice, str(recall)]) == 0
+    assert "recall examples, ignored (this run's tasks: line)" in capsys.readouterr().err
