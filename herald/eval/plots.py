@@ -102,7 +102,15 @@ def write_plots(out: Path, table: dict[str, Any], analysis: dict[str, Any] | Non
         plt.close(fig)
         fig, ax = plt.subplots(figsize=(6, 3.8))
         ob = f"{analysis['config']['oracle_budget']:g}"
-        for v in ("rep_completed", "block_draft", "rep_draft", "rep_draft_selected", "proxy"):
+        for v in (
+            "rep_completed",
+            "block_draft",
+            "rep_draft",
+            "rep2_draft",
+            "rep4_draft",
+            "rep_draft_selected",
+            "proxy",
+        ):
             if v in s["mean"]:
                 pts = sorted((float(x), y) for x, y in s["mean"][v].items())
                 ax.plot(

@@ -25,7 +25,11 @@ For each pair of consecutive decoded blocks (n, n+1), S_n = block n's start, S =
   (:mod:`herald.kv.proxy`) of the keys; ``rep_draft_selected``: ``rep_draft`` with the
   ``selected`` kernel output mode: at every offloaded layer the query's attention output comes
   from the selected rows and the draft only (what the rest of the representative query's forward
-  then sees), instead of from all of ``[0, S_n)`` + draft (``full``).
+  then sees), instead of from all of ``[0, S_n)`` + draft (``full``); ``rep2_draft`` /
+  ``rep4_draft``: ``rep_draft`` with 2 / 4 [MASK] queries at the centres of equal parts of block
+  n+1 (S + B/4 and S + 3B/4; S + B/8, 3B/8, 5B/8, 7B/8) instead of one at its centre, their
+  importances summed as the kernel does for n_q queries (a design variant, not in the paper:
+  the kernel's cost grows with n_q).
 - recall = |selected ∩ oracle| / k_o per (step, layer, head), averaged over the steps; reported
   per layer (mean over heads). k_b = min(ceil(budget * S), S_n), as the engine's budget_for.
 
@@ -55,6 +59,8 @@ VARIANTS = {
     "block_completed": "block queries at step 0, block n completed (MAGE)",
     "proxy": "proxy channels of the step-0 block queries (InfiniGen)",
     "rep_draft_selected": "HERALD with the `selected` kernel output mode",
+    "rep2_draft": "2 representative queries + draft",
+    "rep4_draft": "4 representative queries + draft",
 }
 
 
@@ -329,12 +335,16 @@ def analyse_pair(
         *,
         self_attend: bool,
         select_k: int | None = None,
+        positions: list[int] | None = None,
     ) -> tuple[_ExactAttention, torch.Tensor]:
-        """Forward ``ids`` at positions ``start..`` over ``keys``; (backend, final hidden)."""
+        """Forward ``ids`` at positions ``start..`` (or ``positions``) over ``keys``; (backend,
+        final hidden)."""
         att = _ExactAttention(
             keys, values, s_n, self_attend=self_attend, num_dense=nd, select_k=select_k
         )
-        pos = torch.arange(start, start + ids.shape[0], device=dev)[None]
+        if positions is None:
+            positions = list(range(start, start + ids.shape[0]))
+        pos = torch.tensor(positions, device=dev)[None]
         return att, model(ids[None].to(dev), pos, att)
 
     # Block n's draft: argmax of its step-0 logits, and the draft's KV (attending to [0, S_n)
@@ -355,11 +365,17 @@ def analyse_pair(
     def cat(a: list[torch.Tensor], c: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.cat([x, y], dim=1) for x, y in zip(a, c, strict=True)]
 
-    def rep(tail_k: list, tail_v: list, select_k: int | None = None) -> dict[int, torch.Tensor]:
-        """The representative query (one [MASK] at S + B/2) over [0, S_n) + a tail."""
+    def rep(
+        tail_k: list, tail_v: list, select_k: int | None = None, n_q: int = 1
+    ) -> dict[int, torch.Tensor]:
+        """The representative query (one [MASK] at S + B/2; n_q: at the centres of n_q equal
+        parts of the block) over [0, S_n) + a tail."""
         keys, values = cat(pk, tail_k), cat(pv, tail_v)
-        ids = torch.tensor([mask_id])
-        return run(keys, values, ids, s1 + b // 2, self_attend=False, select_k=select_k)[0].imp
+        ids = torch.full((n_q,), mask_id, dtype=torch.long)
+        pos = [s1 + (2 * i + 1) * b // (2 * n_q) for i in range(n_q)]
+        return run(keys, values, ids, s1, self_attend=False, select_k=select_k, positions=pos)[
+            0
+        ].imp
 
     none: list[torch.Tensor] = [t[:, :0] for t in pk]
     masks = torch.full((b,), mask_id, dtype=torch.long)
@@ -369,6 +385,8 @@ def analyse_pair(
         "rep_completed": rep(tk, tv),
         "block_draft": run(cat(pk, dk), cat(pv, dv), masks, s1, self_attend=True)[0].imp,
         "block_completed": {i: importance(steps[0].q[i], own(steps[0], i), s_n) for i in layers},
+        "rep2_draft": rep(dk, dv, n_q=2),
+        "rep4_draft": rep(dk, dv, n_q=4),
     }
     out: dict[str, dict[str, list[float]]] = {}
     for name, imp in imps.items():

@@ -509,7 +509,15 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
             f"MAGE at its base budget {ob}: recall {base:.3f}. Budget at which each variant first reaches it:",
             "",
         ]
-        for v in ("rep_completed", "block_draft", "rep_draft", "rep_draft_selected", "proxy"):
+        for v in (
+            "rep_completed",
+            "block_draft",
+            "rep_draft",
+            "rep2_draft",
+            "rep4_draft",
+            "rep_draft_selected",
+            "proxy",
+        ):
             if v in mean:
                 hit = [float(x) for x in budgets if mean[v].get(x, -1) >= base]
                 txt = (

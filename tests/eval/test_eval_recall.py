@@ -120,3 +120,27 @@ def test_exact_backend_reproduces_the_engines_step0(capture):
         want = topk_mask(importance(step0.q[layer], keys, s_n), 56)
         got = topk_mask(att.imp[layer], 56)
         assert (want & got).sum() >= 0.95 * want.sum()
+
+
+def test_several_representative_queries_sum_their_importances(capture):
+    """rep2/rep4: [MASK] queries at the centres of equal parts of the block attend to the prefix
+    and not to each other, so their joint importance is the sum of each query's own (what the
+    kernel ranks for n_q queries), and one query at S + B/2 is HERALD's representative query."""
+    model, config, cap = capture
+    b, s_n = config.block_size, 224
+    s1 = s_n + b
+    pk = [t[:, :s_n] for t in cap.committed_k]
+    pv = [t[:, :s_n] for t in cap.committed_v]
+    positions = [s1 + (2 * i + 1) * b // 8 for i in range(4)]
+    assert positions == [s1 + 4, s1 + 12, s1 + 20, s1 + 28]
+
+    def imp(pos):
+        att = _ExactAttention(pk, pv, s_n, self_attend=False, num_dense=2)
+        ids = torch.full((1, len(pos)), config.mask_token_id)
+        with torch.inference_mode():
+            model(ids, torch.tensor(pos)[None], att)
+        return att.imp
+
+    joint, alone = imp(positions), [imp([p]) for p in positions]
+    for layer in range(2, config.num_layers):
+        torch.testing.assert_close(joint[layer], sum(a[layer] for a in alone), atol=1e-3, rtol=1e-3)
