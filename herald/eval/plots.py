@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.eval.metrics import HEADLINE
-from herald.eval.recall import VARIANTS
+from herald.eval.recall import FIG9_VARIANTS, VARIANTS
 from herald.eval.runner import OFFLOAD_MODES
 
 COLORS = {"mage": "tab:blue", "infinigen": "tab:orange", "herald": "tab:green"}
@@ -102,15 +102,7 @@ def write_plots(out: Path, table: dict[str, Any], analysis: dict[str, Any] | Non
         plt.close(fig)
         fig, ax = plt.subplots(figsize=(6, 3.8))
         ob = f"{analysis['config']['oracle_budget']:g}"
-        for v in (
-            "rep_completed",
-            "block_draft",
-            "rep_draft",
-            "rep2_draft",
-            "rep4_draft",
-            "rep_draft_selected",
-            "proxy",
-        ):
+        for v in FIG9_VARIANTS:
             if v in s["mean"]:
                 pts = sorted((float(x), y) for x, y in s["mean"][v].items())
                 ax.plot(

@@ -63,6 +63,18 @@ VARIANTS = {
     "rep4_draft": "4 representative queries + draft",
 }
 
+FIG9_VARIANTS = (
+    "rep_completed",
+    "block_draft",
+    "rep_draft",
+    "rep2_draft",
+    "rep4_draft",
+    "rep_draft_selected",
+    "proxy",
+)
+"""The variants drawn in Fig. 9 and compared with MAGE's base-budget recall (MAGE itself is the
+reference line; ``rep_omitted`` is Fig. 7's)."""
+
 
 @dataclass(frozen=True)
 class AnalysisConfig:

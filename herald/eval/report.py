@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.eval.metrics import HEADLINE
-from herald.eval.recall import VARIANTS, summarise
+from herald.eval.recall import FIG9_VARIANTS, VARIANTS, summarise
 from herald.eval.runner import OFFLOAD_MODES, OPERATING_BUDGET
 
 NEAR_LOSSLESS = 1.0
@@ -509,15 +509,7 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
             f"MAGE at its base budget {ob}: recall {base:.3f}. Budget at which each variant first reaches it:",
             "",
         ]
-        for v in (
-            "rep_completed",
-            "block_draft",
-            "rep_draft",
-            "rep2_draft",
-            "rep4_draft",
-            "rep_draft_selected",
-            "proxy",
-        ):
+        for v in FIG9_VARIANTS:
             if v in mean:
                 hit = [float(x) for x in budgets if mean[v].get(x, -1) >= base]
                 txt = (
