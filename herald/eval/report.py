@@ -19,7 +19,7 @@ from typing import Any
 
 from herald.eval.metrics import HEADLINE
 from herald.eval.recall import FIG9_VARIANTS, VARIANTS, summarise
-from herald.eval.runner import OFFLOAD_MODES, OPERATING_BUDGET
+from herald.eval.runner import OFFLOAD_MODES, OPERATING_BUDGET, Unit
 
 NEAR_LOSSLESS = 1.0
 """Points of average score below dense that count as near-lossless (paper §VI-B)."""
@@ -239,7 +239,7 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 else f"at its operating budget {op:g}: "
                 + (
                     "not run for every task"
-                    if any(f"{t}_{ctx}_{mode}_{op:g}" in units for t in tasks)
+                    if any(Unit(t, ctx, mode, op).key in units for t in tasks)
                     else "not run"
                 )
             )
