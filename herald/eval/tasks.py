@@ -467,6 +467,7 @@ def _build_line(
     if not pkgs:
         return []
     names_cache: dict[str, set[str]] = {}
+    cands_cache: dict[str, list[tuple[int, int]]] = {}
     chosen: set[tuple[str, int]] = set()
     examples: list[Example] = []
     pooled = cfg.line_setting in ("cross_file_first", "cross_file_later")
@@ -484,7 +485,15 @@ def _build_line(
                 continue
         else:
             pick = _pick_random_use(
-                corpus, codec, corpus.packages[pkg], context, cfg, rng, chosen, names_cache
+                corpus,
+                codec,
+                corpus.packages[pkg],
+                context,
+                cfg,
+                rng,
+                chosen,
+                names_cache,
+                cands_cache,
             )
         if pick is None:
             misses += 1
@@ -558,24 +567,32 @@ def _pick_random_use(
     rng: random.Random,
     chosen: set[tuple[str, int]],
     names_cache: dict[str, set[str]],
+    cands_cache: dict[str, list[tuple[int, int]]],
 ) -> _Pick | None:
     """``cross_file_random``: a random line of the best tier among a few files (tier 2 uses a
     name imported from another file of the package, tier 1 a name defined at top level in
-    another file, tier 0 any); None if no file has an eligible line."""
+    another file, tier 0 any); None if no file has an eligible line.
+
+    ``names_cache`` (file -> its top-level names) and ``cands_cache`` (file -> its
+    :func:`line_candidates`, before dropping the ``chosen`` ones) carry over between calls of one
+    build: a file's candidates depend only on the file and its package, and tokenizing and
+    walking each file once instead of at every visit makes a build of 1,000+ examples several
+    times faster. The random draws, and so the examples, are the same as without them."""
     best: tuple[int, SourceFile, list[int]] | None = None
     for _ in range(4):  # a few files; keep the one with the best tier
         f = corpus.read(rng.choice(files))
         if f is None or f.tree is None:
             continue
-        package_names: set[str] = set()
-        for r in files:
-            if r != f.rel:
-                if r not in names_cache:
-                    other = corpus.read(r)
-                    names_cache[r] = _module_names(other) if other is not None else set()
-                package_names |= names_cache[r]
-        cands = line_candidates(f, _imported_package_names(f), package_names)
-        cands = [(row, t) for row, t in cands if (f.rel, row) not in chosen]
+        if f.rel not in cands_cache:
+            package_names: set[str] = set()
+            for r in files:
+                if r != f.rel:
+                    if r not in names_cache:
+                        other = corpus.read(r)
+                        names_cache[r] = _module_names(other) if other is not None else set()
+                    package_names |= names_cache[r]
+            cands_cache[f.rel] = line_candidates(f, _imported_package_names(f), package_names)
+        cands = [(row, t) for row, t in cands_cache[f.rel] if (f.rel, row) not in chosen]
         if not cands:
             continue
         tier = max(t for _, t in cands)

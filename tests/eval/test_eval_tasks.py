@@ -255,6 +255,26 @@ def test_line_settings(corpus, tok):
         build_examples("line", corpus, tok, 1024, 1, TaskConfig(line_setting="nope"))
 
 
+def test_cross_file_random_finds_each_files_candidates_once(corpus, tok, monkeypatch):
+    """A build visits files many times; their candidate lines are computed once per build
+    (tokenizing and walking a file at every visit made 1,000-example builds minutes long)."""
+    import herald.eval.tasks as tasks
+
+    calls: list[str] = []
+    real = tasks.line_candidates
+
+    def counting(f, cross, package):
+        calls.append(f.rel)
+        return real(f, cross, package)
+
+    monkeypatch.setattr(tasks, "line_candidates", counting)
+    cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random"})
+    ex = build_examples("line", corpus, tok, 1024, 40, cfg)
+    assert len(ex) == 40 and len(calls) == len(set(calls))
+    targets = [(e.meta["file"], e.meta["line"]) for e in ex]
+    assert len(set(targets)) == len(targets)  # the cache never hands out a chosen line again
+
+
 def test_recall_constraints(corpus, tok, recall_ex):
     assert len(recall_ex) == 6
     for ex in recall_ex:
