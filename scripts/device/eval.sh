@@ -20,6 +20,10 @@
 # (parts of one run only: --report refuses a folder that mixes models or example selections).
 # To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from the committed
 # results/eval/<run>/<part>) and rerun the same part: finished units are skipped.
+# The device call carries at most 64 MiB of the working tree, and the repository's tracked files
+# (checkpoint and results/) are more than that since 2026-12-01: before the call, move results/
+# out of the tree and copy back only the files the command names (its --exclude-examples files,
+# the part folder being resumed); put results/ back after the call.
 #
 # Env: CKPT (checkpoint directory, required), N (64 examples per task and context),
 #      TIME_LIMIT (480), ANALYSIS (8 examples for Fig. 7/9; 0 = off), EXTRA (more flags),
