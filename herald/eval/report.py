@@ -244,17 +244,18 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
                 )
             )
             if ok:
-                at_first = next(dlt for b, dlt in cands if b == min(ok))
-                first = f"within {NEAR_LOSSLESS:g} point of dense from budget {min(ok):g}" + (
-                    f" ({at_first:+.2f}{_average_interval(units, tasks, ctx, mode, min(ok))})"
-                    if not math.isclose(min(ok), op)
+                low = min(ok)
+                at_first = next(dlt for b, dlt in cands if b == low)
+                first = f"within {NEAR_LOSSLESS:g} point of dense from budget {low:g}" + (
+                    f" ({at_first:+.2f}{_average_interval(units, tasks, ctx, mode, low)})"
+                    if not math.isclose(low, op)
                     else ""
                 )
             else:
                 first = f"never within {NEAR_LOSSLESS:g} point of dense in {[b for b, _ in cands]}"
             lines.append(
                 f"- {ctx} tokens, {mode}: average {op_txt}; {first}"
-                + _per_task_delta(units, table["tasks"], ctx, mode, op)
+                + _per_task_delta(units, tasks, ctx, mode, op)
             )
     return lines
 

@@ -19,6 +19,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from herald.eval.metrics import HEADLINE
 from herald.eval.report import paired_bootstrap
 
 Key = tuple[str, int, str]
@@ -57,12 +58,18 @@ def main() -> None:
         if missing:
             raise SystemExit(f"missing unit(s): {', '.join(missing)}")
         dense, control = (json.loads(p.read_text())["examples"] for p in runs.values())
+        if [d["id"] for d in dense] != [c["id"] for c in control]:
+            raise SystemExit(f"line {ctx}: dense and control ran on different examples")
+        metric = HEADLINE["line"]
         for name, keep in (("all targets", None), ("targets of no earlier set", seen)):
             pairs = [
-                (float(d["es"]), float(c["es"]), examples[d["id"]]["tier"])
+                (float(d[metric]), float(c[metric]), examples[d["id"]]["tier"])
                 for d, c in zip(dense, control, strict=True)
                 if keep is None or target_key(examples[d["id"]]) not in keep
             ]
+            if not pairs:
+                print(f"line {ctx}, {name}: no targets")
+                continue
             a, b, tiers = (list(x) for x in zip(*pairs, strict=True))
             lo, hi = paired_bootstrap(a, b)
             diff = 100 * (sum(a) - sum(b)) / len(a)
