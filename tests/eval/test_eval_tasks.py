@@ -275,6 +275,26 @@ def test_cross_file_random_finds_each_files_candidates_once(corpus, tok, monkeyp
     assert len(set(targets)) == len(targets)  # the cache never hands out a chosen line again
 
 
+@pytest.mark.parametrize("seed", [0, 7])
+def test_cross_file_random_cache_builds_what_the_uncached_reference_builds(
+    corpus, tok, monkeypatch, seed
+):
+    """The reference: every visit recomputes the file's candidates (a fresh cache per call)."""
+    import herald.eval.tasks as tasks
+
+    cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random", "seed": seed})
+    cached = build_examples("line", corpus, tok, 1024, 30, cfg)
+    real = tasks._pick_random_use
+
+    def uncached(*args):
+        return real(*args[:-1], {})
+
+    monkeypatch.setattr(tasks, "_pick_random_use", uncached)
+    reference = build_examples("line", corpus, tok, 1024, 30, cfg)
+    assert selection_hash(cached) == selection_hash(reference)
+    assert [e.meta for e in cached] == [e.meta for e in reference]
+
+
 def test_recall_constraints(corpus, tok, recall_ex):
     assert len(recall_ex) == 6
     for ex in recall_ex:
