@@ -112,6 +112,19 @@ class Data:
             return ""
         return f" (on {mine[0]} cores, {mine[1]} GiB)"
 
+    def end_host_note(self, recs: dict[int, dict[str, Any]], top: dict[str, Any] | None) -> str:
+        """A note such as " (ended on 16 cores, 125.9 GiB; peak on 32 cores, 251.8 GiB)" when the
+        point that ended a sweep (GPU OOM, DRAM) ran on another host shape (cores, DRAM) than the
+        sweep's peak, e.g. SDAR-8B's peak on the two-GPU machine and its DRAM bound on the one-GPU
+        machine, whose smaller DRAM is what bounds it; else ""."""
+        bad = sorted((b, r) for b, r in recs.items() if r["status"] != "ok")
+        if not bad or top is None:
+            return ""
+        end, mine = self.host.get(bad[0][1]["run_id"]), self.host.get(top["run_id"])
+        if end is None or mine is None or end == mine:
+            return ""
+        return f" (ended on {end[0]} cores, {end[1]} GiB; peak on {mine[0]} cores, {mine[1]} GiB)"
+
     def ceilings(self, rec: dict[str, Any]) -> dict[str, float]:
         m = self.machines.get(rec.get("run_id", ""), {})
         pcie = (m.get("pcie") or {}).get("h2d_gbs") or self.pcie
@@ -265,9 +278,10 @@ def table2(d: Data, cap: float | None) -> list[str]:
                     if top and dense else ""
                 )  # fmt: skip
                 pb, pt = plan.PAPER_TABLE2.get((m, ctx, v), ("-", "-"))
+                hosts = d.end_host_note(recs, top) or d.machine_note(top)
                 row += (
                     f" {top['batch'] if top else '-'} | {_f(top['decode_tokens_per_s'] if top else None)}{ratio}"
-                    f" | {pb} / {pt} | {stop_reason(recs, planned_batches(m, ctx, v))}{f' ({note})' if note else ''}{d.machine_note(top)} |"
+                    f" | {pb} / {pt} | {stop_reason(recs, planned_batches(m, ctx, v))}{f' ({note})' if note else ''}{hosts} |"
                 )
             lines.append(row)
     return lines
