@@ -75,6 +75,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--loss-weighting", choices=["mean", "elbo"], default=d.loss_weighting)
+    p.add_argument(
+        "--long-range-weight",
+        type=float,
+        default=d.long_range_weight,
+        help="loss weight of long-range tokens: name-like tokens whose n-gram last occurred at "
+        "least --long-range-distance tokens earlier in the window (1 = off)",
+    )
+    p.add_argument("--long-range-distance", type=int, default=d.long_range_distance)
+    p.add_argument("--long-range-ngram", type=int, default=d.long_range_ngram)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument(
         "--vocab-size",
@@ -146,6 +155,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         loss_weighting=args.loss_weighting,
+        long_range_weight=args.long_range_weight,
+        long_range_distance=args.long_range_distance,
+        long_range_ngram=args.long_range_ngram,
         log_every=args.log_every,
         vocab_size=TrainConfig.vocab_size if args.vocab_size is None else args.vocab_size,
         tokenizer_sample_mb=args.tokenizer_sample_mb,

@@ -182,6 +182,14 @@ class TrainConfig:
     """Per-block mask ratio t ~ U(noise_eps, 1)."""
     loss_weighting: LossWeighting = "mean"
     """'mean': mean CE over masked tokens; 'elbo': sum(CE / t) / tokens."""
+    long_range_weight: float = 1.0
+    """Loss weight of long-range tokens (1 = off): name-like tokens whose n-gram last occurred
+    at least ``long_range_distance`` tokens earlier in the window
+    (:func:`herald.train.objective.long_range_tokens`), a signal to use far context."""
+    long_range_distance: int = 512
+    """Tokens back that make a repeat long-range (512: beyond the eval's no-context control)."""
+    long_range_ngram: int = 3
+    """N-gram length of the repeat (1-3 with an 8K vocabulary at 16K tokens: exact int64 keys)."""
     log_every: int = 20
     """Progress line every N steps."""
     vocab_size: int = 8192
@@ -257,6 +265,11 @@ def check_values(cfg: TrainConfig) -> None:
     need(cfg.grad_clip > 0, "grad_clip", "positive")
     need(finite(cfg.noise_eps) and 0 < cfg.noise_eps < 1, "noise_eps", "in (0, 1)")
     need(cfg.loss_weighting in ("mean", "elbo"), "loss_weighting", "'mean' or 'elbo'")
+    need(
+        finite(cfg.long_range_weight) and cfg.long_range_weight > 0, "long_range_weight", "positive"
+    )
+    need(cfg.long_range_distance >= 1, "long_range_distance", ">= 1")
+    need(1 <= cfg.long_range_ngram <= 3, "long_range_ngram", "in [1, 3]")
     need(cfg.log_every >= 1, "log_every", ">= 1")
     need(cfg.storage is None or cfg.storage in STORAGES, "storage", f"one of {STORAGES}")
     need(MIN_VOCAB <= cfg.vocab_size <= MAX_VOCAB, "vocab_size", f"in [{MIN_VOCAB}, {MAX_VOCAB}]")

@@ -29,6 +29,7 @@ by the mask id with probability ``t``. Loss: cross-entropy on masked positions o
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -182,20 +183,99 @@ def sample_noise(
     return noisy, masked, t
 
 
+def long_range_tokens(
+    clean: torch.Tensor, vocab_size: int, *, ngram: int = 3, min_distance: int = 1024
+) -> torch.Tensor:
+    """Positions a model can fill in by copying from far context but not from near context.
+
+    Position ``i`` is flagged when the n-gram ending there, ``clean[i - ngram + 1 : i + 1]``,
+    occurred earlier in the window and its most recent earlier occurrence ends at least
+    ``min_distance`` tokens before ``i``: an identifier of an imported module, a name defined
+    thousands of tokens back. Exact (the n-gram ids are packed into one int64 key, no hashing).
+    The per-window occurrences are found with one sort, O(L log L).
+
+    Args:
+        clean: [bs, L] int64 token ids (any device), ids in ``[0, vocab_size)``.
+        vocab_size: the tokenizer's vocabulary size.
+        ngram: n-gram length (>= 1).
+        min_distance: tokens between the two occurrences' ends (>= 1).
+
+    Returns:
+        [bs, L] bool on ``clean``'s device; the first ``ngram - 1`` positions are never flagged.
+
+    Raises:
+        ValueError: ``ngram`` or ``min_distance`` below 1, or ``vocab_size ** ngram * L`` does
+            not fit an int64 key.
+    """
+    if ngram < 1 or min_distance < 1:
+        raise ValueError(f"need ngram >= 1 and min_distance >= 1, got {ngram}, {min_distance}")
+    bs, n = clean.shape
+    out = torch.zeros(bs, n, dtype=torch.bool, device=clean.device)
+    m = n - ngram + 1
+    if m <= 1:
+        return out
+    if vocab_size**ngram * m >= 2**62:
+        raise ValueError(f"vocab_size {vocab_size} ** ngram {ngram} x {m} positions overflows")
+    key = clean[:, ngram - 1 :].long()
+    for k in range(1, ngram):  # key[:, j] packs the n-gram ending at position j + ngram - 1
+        key = key * vocab_size + clean[:, ngram - 1 - k : n - k].long()
+    pos = torch.arange(m, device=clean.device)
+    sorted_key, order = (key * m + pos).sort(dim=1)  # by n-gram, then by position
+    gram, at = sorted_key // m, sorted_key % m
+    near = (gram[:, 1:] == gram[:, :-1]) & (at[:, 1:] - at[:, :-1] >= min_distance)
+    flags = torch.zeros(bs, m, dtype=torch.bool, device=clean.device)
+    flags.scatter_(1, order[:, 1:], near)
+    out[:, ngram - 1 :] = flags
+    return out
+
+
+def name_token_mask(decode: Callable[[list[int]], str], vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bool (CPU): the tokens that can be part of a name, i.e. whose text holds a
+    letter and is not, stripped of spaces and ``._(``, a Python keyword, ``self`` or a builtin
+    constant. The long-range emphasis counts these only: a repeated ``if`` or ``:\n`` is syntax,
+    not something to look up far back.
+
+    Args:
+        decode: ids -> text (e.g. :meth:`herald.tokenizer.Tokenizer.decode`).
+        vocab_size: entries to classify (ids ``0 .. vocab_size - 1``).
+    """
+    skip = set(keyword.kwlist) | {"self", "cls"}
+    out = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in range(vocab_size):
+        text = decode([i]).strip()
+        core = text.strip("._( ")
+        out[i] = any(c.isalpha() for c in text) and core not in skip
+    return out
+
+
 def loss_weights(
-    masked: torch.Tensor, t: torch.Tensor, weighting: LossWeighting
+    masked: torch.Tensor,
+    t: torch.Tensor,
+    weighting: LossWeighting,
+    emphasis: torch.Tensor | None = None,
+    emphasis_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token CE weights [bs, L] float32 and the normaliser (0-dim float32) for ``weighting``:
     ``"mean"``: ``masked`` / ``masked.sum()``; ``"elbo"``: ``masked / t`` / ``numel``.
 
+    ``emphasis`` ([bs, L] bool, e.g. :func:`long_range_tokens`) multiplies those tokens' weight
+    by ``emphasis_weight``; the normaliser counts them that many times, so the loss stays a
+    (weighted) mean per token and its scale does not change.
+
     Raises:
-        ValueError: unknown weighting.
+        ValueError: unknown weighting, or ``emphasis_weight`` <= 0.
     """
-    m = masked.float()
+    if emphasis_weight <= 0:
+        raise ValueError(f"emphasis_weight must be > 0, got {emphasis_weight}")
+    mult = None
+    if emphasis is not None and emphasis_weight != 1.0:
+        mult = 1.0 + (emphasis_weight - 1.0) * emphasis.float()
+    m = masked.float() if mult is None else masked.float() * mult
     if weighting == "mean":
         return m, m.sum().clamp_min(1.0)
     if weighting == "elbo":
-        return m / t, torch.tensor(float(m.numel()), device=m.device)
+        norm = float(masked.numel()) if mult is None else mult.sum()
+        return m / t, torch.as_tensor(norm, dtype=torch.float32, device=m.device)
     raise ValueError(f"unknown loss weighting {weighting!r}: use 'mean' or 'elbo'")
 
 

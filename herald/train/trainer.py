@@ -58,7 +58,9 @@ from herald.train.objective import (
     check_flex_matches_dense,
     dense_block_diffusion_mask,
     flex_block_mask,
+    long_range_tokens,
     loss_weights,
+    name_token_mask,
     sample_noise,
 )
 from herald.train.preflight import check_seq_len, log_path, preflight, state_path
@@ -184,6 +186,14 @@ class Run:
         check_seq_len(cfg, config)  # preflight checked it; the trained vocabulary changes no size
         self.config: ModelConfig = config
         self.model: DecoderLM = model
+        # long-range emphasis: which vocabulary entries are name-like (off: None)
+        self.name_tokens: torch.Tensor | None = None
+        self.long_range_fraction: list[torch.Tensor] = []  # flagged share, per step (no sync)
+        if cfg.long_range_weight != 1.0:
+            tok = self.tokenizer
+            self.name_tokens = name_token_mask(
+                lambda ids: tok.decode(ids, skip_special_tokens=True), config.vocab_size
+            ).to(dev)
         model.requires_grad_(True)
         model.train()
         self.optimizer = _optimizer(model, cfg, dev)
@@ -240,16 +250,36 @@ class Run:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _loss(self, clean: torch.Tensor, step: int, weighting: str, seed: int) -> torch.Tensor:
+    def _loss(
+        self, clean: torch.Tensor, step: int, weighting: str, seed: int, emphasis: bool = True
+    ) -> torch.Tensor:
+        """The step's loss; ``emphasis`` applies ``long_range_weight`` (training; validation
+        reports the plain loss)."""
+        cfg = self.cfg
         gen = noise_generator(self.device, seed, step)
         noisy, masked, t = sample_noise(
             clean,
             self.config.block_size,
             self.config.mask_token_id,
-            eps=self.cfg.noise_eps,
+            eps=cfg.noise_eps,
             generator=gen,
         )
-        weights, norm = loss_weights(masked, t, weighting)  # type: ignore[arg-type]
+        flagged = None
+        if emphasis and self.name_tokens is not None:
+            flagged = self.name_tokens[clean] & long_range_tokens(
+                clean,
+                self.config.vocab_size,
+                ngram=cfg.long_range_ngram,
+                min_distance=cfg.long_range_distance,
+            )
+            self.long_range_fraction.append(flagged.float().mean())
+        weights, norm = loss_weights(
+            masked,
+            t,
+            weighting,  # type: ignore[arg-type]
+            emphasis=flagged,
+            emphasis_weight=cfg.long_range_weight,
+        )
         with torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda"):
             total = self.loss_fn(noisy, clean, weights)
         return total / norm
@@ -360,6 +390,23 @@ class Run:
             "seconds": round(train_s, 1),
             "tokens_per_s": round(run_step * cfg.batch_size * cfg.seq_len / max(train_s, 1e-9)),
             "final_loss": final_loss,
+            **self.long_range_summary(),
+        }
+
+    def long_range_summary(self) -> dict[str, Any]:
+        """The run's long-range emphasis settings and the mean share of tokens it flagged
+        (empty when off)."""
+        cfg = self.cfg
+        if self.name_tokens is None:
+            return {}
+        frac = self.long_range_fraction
+        return {
+            "long_range": {
+                "weight": cfg.long_range_weight,
+                "distance": cfg.long_range_distance,
+                "ngram": cfg.long_range_ngram,
+                "flagged_fraction": round(float(torch.stack(frac).mean()), 4) if frac else None,
+            }
         }
 
     def validate(self) -> float | None:
@@ -375,7 +422,7 @@ class Run:
             # Same shape as training (a short last batch wraps around to the first windows).
             chunk = windows[np.arange(i, i + bs) % windows.shape[0]]
             clean = self._to_device(np.ascontiguousarray(chunk))
-            total += float(self._loss(clean, i, "mean", VAL_SEED).detach())
+            total += float(self._loss(clean, i, "mean", VAL_SEED, emphasis=False).detach())
             n += 1
         return total / n
 
@@ -419,6 +466,7 @@ class Run:
                 "data_manifest_sha256": self.data.manifest["contents_sha256"],
                 "seq_len": cfg.seq_len,
                 "loss_weighting": cfg.loss_weighting,
+                **self.long_range_summary(),
                 "val_loss_stdlib": val_loss,
                 **stored,
                 "recipe": "herald.train (issue 6): site-packages .py, stdlib held out",

@@ -16,7 +16,9 @@ from herald.train.objective import (
     dense_block_diffusion_mask,
     diffusion_forward,
     flex_block_mask,
+    long_range_tokens,
     loss_weights,
+    name_token_mask,
     sample_noise,
 )
 
@@ -136,6 +138,70 @@ def test_loss_weights() -> None:
     assert w.tolist() == [[2.0, 0.0, 4.0, 4.0]] and float(n) == 4.0
     with pytest.raises(ValueError, match="weighting"):
         loss_weights(masked, t, "other")  # type: ignore[arg-type]
+
+
+def _long_range_reference(row: list[int], ngram: int, min_distance: int) -> list[bool]:
+    out = []
+    for i in range(len(row)):
+        if i < ngram - 1:
+            out.append(False)
+            continue
+        gram = row[i - ngram + 1 : i + 1]
+        prev = [j for j in range(ngram - 1, i) if row[j - ngram + 1 : j + 1] == gram]
+        out.append(bool(prev) and i - prev[-1] >= min_distance)
+    return out
+
+
+@pytest.mark.parametrize(("ngram", "min_distance"), [(1, 1), (1, 5), (2, 3), (3, 4), (3, 40)])
+def test_long_range_tokens_match_a_brute_force_reference(ngram, min_distance) -> None:
+    gen = torch.Generator().manual_seed(ngram * 100 + min_distance)
+    clean = torch.randint(0, 4, (3, 96), generator=gen)  # a small vocabulary: many repeats
+    got = long_range_tokens(clean, 4, ngram=ngram, min_distance=min_distance)
+    assert got.dtype == torch.bool and got.shape == clean.shape
+    for b in range(3):
+        want = _long_range_reference(clean[b].tolist(), ngram, min_distance)
+        assert got[b].tolist() == want
+    assert got.any() and not got.all()
+
+
+def test_long_range_tokens_flag_only_far_repeats() -> None:
+    # "7 8 9" at 0..2 and again at 20..22: position 22 is 20 tokens after position 2
+    row = [7, 8, 9] + [1, 2, 3, 4] * 4 + [5] + [7, 8, 9]
+    clean = torch.tensor([row])
+    far = long_range_tokens(clean, 10, ngram=3, min_distance=20)[0]
+    assert far.nonzero().flatten().tolist() == [22]
+    # the nearest repeat counts: "1 2 3" repeats every 4 tokens, so it is never 20 back
+    assert not long_range_tokens(clean, 10, ngram=3, min_distance=21)[0].any()
+    assert not long_range_tokens(clean[:, :2], 10, ngram=3).any()  # shorter than the n-gram
+    with pytest.raises(ValueError, match="ngram"):
+        long_range_tokens(clean, 10, ngram=0)
+    with pytest.raises(ValueError, match="overflows"):
+        long_range_tokens(torch.zeros(1, 16384, dtype=torch.long), 8192, ngram=4)
+
+
+def test_name_token_mask() -> None:
+    vocab = ["foo", " self.", "if", " return", ":\n", "_name", "(", " Bar", "cls", "x1", " 12"]
+    mask = name_token_mask(lambda ids: vocab[ids[0]], len(vocab))
+    assert [v for v, m in zip(vocab, mask.tolist(), strict=True) if m] == [
+        "foo",
+        "_name",
+        " Bar",
+        "x1",
+    ]
+
+
+def test_loss_weights_with_emphasis() -> None:
+    masked = torch.tensor([[True, False, True, True]])
+    t = torch.tensor([[0.5, 0.5, 0.25, 0.25]])
+    flagged = torch.tensor([[False, True, True, False]])
+    w, n = loss_weights(masked, t, "mean", emphasis=flagged, emphasis_weight=3.0)
+    assert w.tolist() == [[1.0, 0.0, 3.0, 1.0]] and float(n) == 5.0
+    w, n = loss_weights(masked, t, "elbo", emphasis=flagged, emphasis_weight=3.0)
+    assert w.tolist() == [[2.0, 0.0, 12.0, 4.0]] and float(n) == 8.0  # 1 + 3 + 3 + 1
+    same = loss_weights(masked, t, "mean", emphasis=flagged, emphasis_weight=1.0)
+    assert [x.tolist() for x in same] == [x.tolist() for x in loss_weights(masked, t, "mean")]
+    with pytest.raises(ValueError, match="emphasis_weight"):
+        loss_weights(masked, t, "mean", emphasis=flagged, emphasis_weight=0.0)
 
 
 def test_loss_decreases_on_a_tiny_model() -> None:

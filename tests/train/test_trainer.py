@@ -122,6 +122,27 @@ def test_resumed_run_matches_an_uninterrupted_one(trees, tmp_path) -> None:
     assert sa["data_position"] == sb["data_position"] == 8
 
 
+def test_long_range_emphasis_is_logged_and_leaves_validation_plain(trees, tmp_path) -> None:
+    """The emphasis changes the training loss only: the same weights validate the same."""
+    base = dict(max_steps=1, warmup_steps=0, val_windows=2, lr=1e-12)  # weights ~unchanged
+    plain = train(tiny_config(trees, tmp_path / "a", **base), log=lambda s: None)
+    cfg = tiny_config(trees, tmp_path / "b", long_range_weight=4.0, long_range_distance=8, **base)
+    lines: list[str] = []
+    weighted = train(cfg, log=lines.append)
+    lr = weighted["run"]["long_range"]
+    assert (lr["weight"], lr["distance"], lr["ngram"]) == (4.0, 8, 3)
+    assert 0.0 < lr["flagged_fraction"] < 0.5  # the fixture's files repeat names
+    assert "long_range" not in plain["run"]
+    assert weighted["run"]["final_loss"] != plain["run"]["final_loss"]
+    assert weighted["run"]["val_loss_stdlib"] == pytest.approx(plain["run"]["val_loss_stdlib"])
+    state = json.loads((tmp_path / "b" / "train_state.json").read_text())
+    assert state["runs"][-1]["long_range"]["weight"] == 4.0
+    cfg_json = json.loads((cfg.out_dir / "config.json").read_text())
+    assert cfg_json["herald_training"]["long_range"]["distance"] == 8
+    with pytest.raises(ValueError, match="--long-range-weight"):
+        train(replace(cfg, long_range_weight=0.0), log=lambda s: None)
+
+
 def test_default_model_fits_the_checkpoint_budget() -> None:
     cfg = model_config(ModelDims(), 8192)
     assert cfg.num_heads // cfg.num_kv_heads == 4 and cfg.max_position_embeddings >= 16384
