@@ -383,11 +383,20 @@ def test_kv_pad_budget_one_equals_dense_with_kv_pad(setup):
     assert got == ref
 
 
-def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
-    """Fixed steps expose near-ties (found by a user trial on json/decoder.py, 4 steps): with
-    kv_pad the fused block+draft step's block half must attend over a plain step's key length
-    (padded(p + B), not padded(p + 2B) - B), and MAGE's exact step-0 attention must be padded like
-    dense's; without either one, budget 1.0 differed from dense within the first blocks."""
+def _row_variant_matmul(model, rows: int) -> tuple[int, int] | None:
+    """The first weight shape [out, in] for which this CPU's bf16 matmul gives a row other bits
+    in a ``rows``-row product than in a ``2 * rows``-row one (the fused draft step runs 2B rows
+    through every projection), else None. Seen on an AVX512-BF16 Xeon for [384, 832]."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in sorted({tuple(p.shape) for p in model.parameters() if p.dim() == 2}):
+        w = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        x = torch.randn(2 * rows, shape[1], generator=gen).to(torch.bfloat16)
+        if not torch.equal(x[:rows] @ w.T, (x @ w.T)[:rows]):
+            return shape
+    return None
+
+
+def _trained_model_setup():
     import json.decoder
 
     from herald.models.loader import load_model
@@ -397,12 +406,41 @@ def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
         ids = tok.encode(f.read())[-400:]
     params = SamplingParams(max_new_tokens=64, num_denoise_steps=4)
     dense = DenseEngine(model, config, max_batch_size=1, max_seq_len=512)
-    ref = dense.generate([ids], params)[0].output_ids
-    for mode in ("herald", "mage-gpu", "infinigen"):
-        eng = OffloadEngine(model, config, MODES[mode], max_batch_size=1, max_seq_len=512)
-        got = eng.generate([ids], params)[0].output_ids
+    return model, config, ids, params, dense.generate([ids], params)[0].output_ids
+
+
+def _offload_output(model, config, mode, ids, params):
+    eng = OffloadEngine(model, config, MODES[mode], max_batch_size=1, max_seq_len=512)
+    try:
+        return eng.generate([ids], params)[0].output_ids
+    finally:
         eng.close()
-        assert got == ref, mode
+
+
+def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
+    """Fixed steps expose near-ties (found by a user trial on json/decoder.py, 4 steps): MAGE's
+    exact step-0 attention must be padded like dense's, or budget 1.0 differs from dense within
+    the first blocks. HERALD's selection without the draft step runs here too; with it, below."""
+    model, config, ids, params, ref = _trained_model_setup()
+    for mode in ("rep-no-lookahead", "mage-gpu", "infinigen"):
+        assert _offload_output(model, config, mode, ids, params) == ref, mode
+
+
+def test_budget_one_equals_dense_with_the_draft_step_on_the_trained_model():
+    """With kv_pad, the fused block+draft step's block half must attend over a plain step's key
+    length (padded(p + B), not padded(p + 2B) - B); otherwise budget 1.0 differs from dense
+    within the first blocks (the user trial above). Bit-equality needs every projection to give
+    a row the same bits in a B-row and a 2B-row product: where this CPU's bf16 matmul does not,
+    the fused step cannot equal a plain one and the check cannot run here (the GPU tests and the
+    tiny presets' budget-1.0 tests still cover the fused step)."""
+    model, config, ids, params, ref = _trained_model_setup()
+    shape = _row_variant_matmul(model, config.block_size)
+    if shape is not None:
+        pytest.skip(
+            f"this CPU's bf16 matmul is not row-invariant for weight {list(shape)} "
+            f"({config.block_size} vs {2 * config.block_size} rows)"
+        )
+    assert _offload_output(model, config, "herald", ids, params) == ref
 
 
 def test_lookahead_off_counts_the_synchronous_selection_as_stall():
