@@ -150,15 +150,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
 
 
+def check_sweep_args(args: argparse.Namespace) -> None:
+    """One-line errors for values no sweep can run with, before any probe or model build.
+
+    Raises:
+        ValueError: a batch, context, step count or GPU cap below 1 (a context also not a
+            multiple of 32 is accepted: the engines round it up to whole blocks), or a budget
+            outside (0, 1].
+    """
+    for name, values in (("--batches", args.batches), ("--context", args.context)):
+        bad = [v for v in values or () if v < 1]
+        if bad:
+            raise ValueError(f"{name} must be >= 1, got {bad[0]}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.budget is not None and not 0 < args.budget <= 1:
+        raise ValueError(f"--budget is a fraction of the context in (0, 1], got {args.budget}")
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb}")
+    if args.model is not None:
+        from herald.models.loader import BUNDLED_CHECKPOINTS, is_preset
+        from herald.models.registry import list_presets
+
+        m = args.model
+        if not (Path(m).is_dir() or is_preset(m) or str(m) in BUNDLED_CHECKPOINTS):
+            raise ValueError(
+                f"--model {m!r} is neither a checkpoint directory nor a preset "
+                f"({', '.join(list_presets())})"
+            )
+
+
 def custom_sweeps(args: argparse.Namespace) -> list[Sweep]:
     if not args.model or not args.context:
         raise ValueError("give --plan, or --model and --context (and --batches) for one sweep")
+    check_sweep_args(args)
     out = []
     for mode in args.mode or ["herald"]:
         if mode not in VARIANTS:
             raise ValueError(f"unknown --mode {mode!r}; one of {', '.join(VARIANTS)}")
         var = VARIANTS[mode]
-        budget = (args.budget or var.default_budget) if var.offload else None
+        budget = (
+            (var.default_budget if args.budget is None else args.budget) if var.offload else None
+        )
         for ctx in args.context:
             batches = tuple(args.batches or plan.batches_for(args.model, ctx, mode))
             out.append(
@@ -178,11 +211,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--warmup-blocks and --timed-blocks must be >= 1 (block 0 holds prefill)")
     # --dry-run --device cuda on a machine without a GPU lists what a GPU run would measure.
     if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
-        raise ValueError("--device cuda but no CUDA GPU; use --device cpu for a smoke run")
+        raise ValueError(
+            "--device cuda but no CUDA GPU; on a CPU try a tiny preset, e.g. --device cpu "
+            "--model tiny-sdar --context 512 --mode dense,herald --batches 1,2"
+        )
     everything = plan.build_plan(args.plan) if args.plan else plan.merge(custom_sweeps(args))
     sweeps = plan.filter_sweeps(
         everything, args.models, args.contexts, args.modes, args.caps, args.figures
     )
+    if not sweeps:
+        raise ValueError(
+            "the filters (--models, --contexts, --modes, --caps, --figures) select no sweep"
+        )
     if args.part:
         sweeps = plan.split_parts(sweeps, *plan.parse_part(args.part))
     runner = Runner(args, sweeps, everything)
@@ -236,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as e:  # e.g. a full-size model that does not fit
+        if args.debug:
+            raise
+        print(
+            f"error: {type(e).__name__}: {str(e)[:300]} (--debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

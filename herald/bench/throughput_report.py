@@ -20,6 +20,7 @@ from herald.bench import throughput_plan as plan
 from herald.bench import throughput_plots as tplots
 from herald.bench.throughput_plan import CAP_H100, K16, K32, LLADA, SDAR, VARIANTS
 from herald.bench.throughput_plan import ctx_label as _ctx
+from herald.bench.throughput_run import host_memory, smaller_host_dram_ends
 
 TARGET_RATIO = 2.28  # HERALD / Dense, LLaDA2.0-mini 32K, 80 GB cap (the paper's Table II)
 CEILING_NAMES = ceil.NAMES
@@ -71,7 +72,17 @@ class Data:
         self.sweeps: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = defaultdict(dict)
         for p in pts:  # later records win
             self.sweeps[plan.record_sweep_key(p)][p["batch"]] = p
+        # DRAM ends measured on a smaller host than the sweep's own do not end it (shown aside)
+        memory = host_memory(records)
+        self.aside: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+        for key, recs in self.sweeps.items():
+            aside = smaller_host_dram_ends(recs, memory)
+            for b in aside:
+                del recs[b]
+            if aside:
+                self.aside[key] = aside
         self.points = [p for s in self.sweeps.values() for p in s.values()]
+        self.points += [p for s in self.aside.values() for p in s.values()]
         self.host = {r["run_id"]: _host(r) for r in self.runs}  # run -> (cores, DRAM GiB)
         common = Counter(self.host.get(p["run_id"]) for p in self.points).most_common(1)
         self.common_host = common[0][0] if common else None
@@ -96,9 +107,10 @@ class Data:
     ) -> tuple[dict[int, dict[str, Any]], str]:  # fmt: skip
         """Points of a sweep and a note: uncapped offloading sweeps fall back to the 80 GB one
         when it never ran out of GPU memory (as the benchmark itself does)."""
-        recs = self.sweeps.get(plan.sweep_key(model, ctx, variant, budget, cap, steps), {})
+        key = plan.sweep_key(model, ctx, variant, budget, cap, steps)
+        recs = self.sweeps.get(key, {})
         if recs or cap is not None or not VARIANTS[variant].offload:
-            return recs, ""
+            return recs, self.aside_note(key)
         capped = self.sweeps.get(plan.sweep_key(model, ctx, variant, budget, CAP_H100, steps), {})
         if capped and not any(r["status"] == "oom" for r in capped.values()):
             return capped, "= 80 GB run"
@@ -112,18 +124,14 @@ class Data:
             return ""
         return f" (on {mine[0]} cores, {mine[1]} GiB)"
 
-    def end_host_note(self, recs: dict[int, dict[str, Any]], top: dict[str, Any] | None) -> str:
-        """A note such as " (ended on 16 cores, 125.9 GiB; peak on 32 cores, 251.8 GiB)" when the
-        point that ended a sweep (GPU OOM, DRAM) ran on another host shape (cores, DRAM) than the
-        sweep's peak, e.g. SDAR-8B's peak on the two-GPU machine and its DRAM bound on the one-GPU
-        machine, whose smaller DRAM is what bounds it; else ""."""
-        bad = sorted((b, r) for b, r in recs.items() if r["status"] != "ok")
-        if not bad or top is None:
-            return ""
-        end, mine = self.host.get(bad[0][1]["run_id"]), self.host.get(top["run_id"])
-        if end is None or mine is None or end == mine:
-            return ""
-        return f" (ended on {end[0]} cores, {end[1]} GiB; peak on {mine[0]} cores, {mine[1]} GiB)"
+    def aside_note(self, key: tuple[Any, ...]) -> str:
+        """ "bs 40: DRAM on 16 cores, 125.9 GiB" for the DRAM ends of a smaller host that do not
+        end the sweep (:func:`herald.bench.throughput_run.smaller_host_dram_ends`); else ""."""
+        parts = []
+        for b, r in sorted(self.aside.get(key, {}).items()):
+            host = self.host.get(r["run_id"]) or ("?", "?")
+            parts.append(f"bs {b}: DRAM on {host[0]} cores, {host[1]} GiB")
+        return "; ".join(parts)
 
     def ceilings(self, rec: dict[str, Any]) -> dict[str, float]:
         m = self.machines.get(rec.get("run_id", ""), {})
@@ -263,7 +271,14 @@ def table2(d: Data, cap: float | None) -> list[str]:
         f" {plan.model_name(m)}: bs | tok/s (x Dense) | paper bs / tok/s | sweep ended by |"
         for m in models
     )
-    lines = [f"### {_cap(cap)}", "", head, "|" + " --- |" * (2 + 4 * len(models))]
+    lines = [f"### {_cap(cap)}", ""]
+    if d.common_host is not None:
+        lines += [
+            f"Points ran on a host with {d.common_host[0]} cores and {d.common_host[1]} GiB of "
+            "DRAM unless a row says otherwise.",
+            "",
+        ]
+    lines += [head, "|" + " --- |" * (2 + 4 * len(models))]
     for ctx in d.contexts():
         for v in plan.TABLE2_VARIANTS:
             var = VARIANTS[v]
@@ -278,10 +293,9 @@ def table2(d: Data, cap: float | None) -> list[str]:
                     if top and dense else ""
                 )  # fmt: skip
                 pb, pt = plan.PAPER_TABLE2.get((m, ctx, v), ("-", "-"))
-                hosts = d.end_host_note(recs, top) or d.machine_note(top)
                 row += (
                     f" {top['batch'] if top else '-'} | {_f(top['decode_tokens_per_s'] if top else None)}{ratio}"
-                    f" | {pb} / {pt} | {stop_reason(recs, planned_batches(m, ctx, v))}{f' ({note})' if note else ''}{hosts} |"
+                    f" | {pb} / {pt} | {stop_reason(recs, planned_batches(m, ctx, v))}{f' ({note})' if note else ''}{d.machine_note(top)} |"
                 )
             lines.append(row)
     return lines

@@ -63,10 +63,50 @@ def append_record(path: Path, rec: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def point_records(
-    records: list[dict[str, Any]], sweep: Sweep, setting: dict[str, Any] | None = None
+def host_memory(records: list[dict[str, Any]]) -> dict[str, float]:
+    """run_id -> the DRAM (GiB) of the host each run record ran on."""
+    return {
+        r["run_id"]: float(r["machine"]["mem_total_gib"])
+        for r in records
+        if r.get("kind") == "run" and (r.get("machine") or {}).get("mem_total_gib") is not None
+    }
+
+
+def smaller_host_dram_ends(
+    recs: dict[int, dict[str, Any]], memory: dict[str, float], here_gib: float | None = None
 ) -> dict[int, dict[str, Any]]:
-    """The latest record per batch of ``sweep`` (matching ``setting``'s fields if given)."""
+    """The ``dram`` points of a sweep that do not end it: measured on a host with less DRAM than
+    one that measured an ``ok`` point of the sweep (e.g. SDAR-8B 32K, measured on the two-GPU
+    machine's 256 GiB, resumed on the one-GPU machine's 125 GiB): that host's DRAM bounds the
+    batch, not the sweep's own host. With ``here_gib`` (the host running now), a point from a
+    host with at least that much DRAM still ends the sweep here: it would not fit here either."""
+    ok = [
+        memory[r["run_id"]]
+        for r in recs.values()
+        if r["status"] == "ok" and r.get("run_id") in memory
+    ]
+    if not ok:
+        return {}
+    most = max(ok)
+    out = {}
+    for b, r in recs.items():
+        gib = memory.get(r.get("run_id", ""))
+        if r["status"] != "dram" or gib is None or gib >= most:
+            continue
+        if here_gib is not None and gib >= here_gib:
+            continue
+        out[b] = r
+    return out
+
+
+def point_records(
+    records: list[dict[str, Any]],
+    sweep: Sweep,
+    setting: dict[str, Any] | None = None,
+    here_gib: float | None = None,
+) -> dict[int, dict[str, Any]]:
+    """The latest record per batch of ``sweep`` (matching ``setting``'s fields if given), less
+    the DRAM ends of smaller hosts (:func:`smaller_host_dram_ends`)."""
     out: dict[int, dict[str, Any]] = {}
     for r in records:
         if r.get("kind") != "point" or plan.record_sweep_key(r) != sweep.key:
@@ -74,6 +114,8 @@ def point_records(
         if setting and any(r.get(k) != v for k, v in setting.items()):
             continue
         out[r["batch"]] = r
+    for b in smaller_host_dram_ends(out, host_memory(records), here_gib):
+        del out[b]
     return out
 
 
@@ -119,6 +161,9 @@ class Runner:
         self.cap: float | None | str = "unset"
         self.last_wall: dict[tuple[Any, ...], tuple[int, float]] = {}
         self.measured: list[dict[str, Any]] = []
+        from herald.bench.common import machine_info
+
+        self.here_gib: float | None = machine_info().get("mem_total_gib")
 
     # settings a resumed record must share to count as done
     def setting(self, sweep: Sweep) -> dict[str, Any]:
@@ -134,7 +179,7 @@ class Runner:
         """("run", batches to measure) | ("defer", []) | ("reuse", []) | ("done", [])."""
         if sweep.reuse_cap_gb is not None:
             ref = self.planned(sweep.reference(cap=sweep.reuse_cap_gb))
-            ref_recs = point_records(self.records, ref, self.setting(ref))
+            ref_recs = point_records(self.records, ref, self.setting(ref), self.here_gib)
             if sweep_status(ref_recs, ref.batches)[0]:
                 return ("defer", [])
             if not any(r["status"] == "oom" for r in ref_recs.values()):
@@ -142,12 +187,12 @@ class Runner:
         batches = sweep.batches
         if not batches:
             ref = self.planned(sweep.reference(steps=sweep.peak_steps))
-            ref_recs = point_records(self.records, ref, self.setting(ref))
+            ref_recs = point_records(self.records, ref, self.setting(ref), self.here_gib)
             if ref.batches and sweep_status(ref_recs, ref.batches)[0]:
                 return ("defer", [])
             top = peak(ref_recs)
             batches = (top["batch"] if top else sweep.peak_default or 1,)
-        recs = point_records(self.records, sweep, self.setting(sweep))
+        recs = point_records(self.records, sweep, self.setting(sweep), self.here_gib)
         todo, _ = sweep_status(recs, batches, self.args.retry_errors)
         return ("run", todo) if todo else ("done", [])
 
@@ -295,9 +340,17 @@ class Runner:
         return self.finish()
 
     def finish(self) -> int:
+        """The exit code: 1 when a point of this call failed with an error (not a capacity
+        failure: those are results), else 0."""
         left = sum(len(self.plan_sweep(s)[1]) for s in self.sweeps)
         log(f"measured {len(self.measured)} points; {left} pending in this selection"
             + (" (rerun the same command to resume)" if left else ""))  # fmt: skip
+        errors = [r for r in self.measured if r["status"] == "error"]
+        if errors:
+            first = errors[0].get("error")
+            log(f"{len(errors)} point(s) failed with an error, e.g. {first}; after a fix, "
+                "rerun with --retry-errors (--debug for a traceback)")  # fmt: skip
+            return 1
         return 0
 
     def run_point(self, sweep: Sweep, batch: int, pending: list[tuple[Sweep, list[int]]]) -> str:

@@ -137,6 +137,47 @@ def test_custom_sweep_needs_a_model(capsys):
     assert "--model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--batches", "0"], "--batches must be >= 1"),
+        (["--batches", "-2"], "--batches must be >= 1"),
+        (["--context", "0"], "--context must be >= 1"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--budget", "0"], "--budget is a fraction"),
+        (["--budget", "1.5"], "--budget is a fraction"),
+        (["--gpu-memory-gb", "-5"], "--gpu-memory-gb must be positive"),
+        (["--model", "nosuch"], "neither a checkpoint directory nor a preset"),
+    ],
+)
+def test_bad_sweep_values_fail_in_one_line_before_any_work(tmp_path, capsys, flags, says):
+    base = {"--model": "tiny-sdar", "--context": "256", "--batches": "1"}
+    for k, v in zip(flags[::2], flags[1::2], strict=True):
+        base[k] = v
+    argv = [x for kv in base.items() for x in kv]
+    assert throughput.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / throughput.JSONL_NAME).exists()  # nothing probed or recorded
+
+
+def test_filters_that_select_nothing_are_an_error(tmp_path, capsys):
+    argv = ["--plan", "all", "--models", "nosuch", "--dry-run", "--out", str(tmp_path)]
+    assert throughput.main(argv) == 2
+    assert "select no sweep" in capsys.readouterr().err
+
+
+def test_a_point_that_errors_makes_the_exit_code_1(tmp_path, monkeypatch):
+    def broken(ps, sweep, batch):
+        raise ValueError("shape mismatch")
+
+    monkeypatch.setattr(throughput_point, "build_engine", broken)
+    argv = ["--model", "tiny-sdar", "--context", "256", "--mode", "dense", "--batches", "1",
+            "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 1
+    assert [p["status"] for p in _records(tmp_path)] == ["error"]
+
+
 def test_failed_engine_constructor_leaves_no_retrieval_thread(monkeypatch):
     import threading
 

@@ -86,3 +86,31 @@ def test_runner_resolves_peaks_and_reuses_uncapped_sweeps(tmp_path):
     # an out-of-memory point at the cap: the uncapped sweep must run
     run.records[-1] = _point(t20, 64, "oom")
     assert run.plan_sweep(whole) == ("run", list(whole.batches))
+
+
+def test_a_smaller_hosts_dram_end_does_not_close_a_bigger_hosts_sweep():
+    from herald.bench.throughput_run import point_records, sweep_status
+
+    sweep = next(
+        s
+        for s in plan.build_plan("all")
+        if (s.model, s.context, s.variant, s.gpu_cap_gb) == (SDAR, K32, "infinigen", None)
+    )
+    runs = [
+        {"kind": "run", "run_id": rid, "machine": {"mem_total_gib": gib}}
+        for rid, gib in (("big", 251.8), ("small", 125.9))
+    ]
+    pts = [{**_point(sweep, b), "run_id": "big"} for b in (8, 16, 24, 32)]
+    pts.append({**_point(sweep, 40, status="dram"), "run_id": "small"})
+    records = runs + pts
+    # on the big host (or in the report: no host given) bs 40 and 48 are still to measure
+    for here in (251.8, None):
+        recs = point_records(records, sweep, here_gib=here)
+        assert sorted(recs) == [8, 16, 24, 32]
+        assert sweep_status(recs, sweep.batches) == ([40, 48], False)
+    # on a host no bigger than the one that found the bound, it ends the sweep: 0 pending
+    recs = point_records(records, sweep, here_gib=125.9)
+    assert sweep_status(recs, sweep.batches) == ([], True)
+    # a DRAM end on the sweep's own host still ends it
+    records[-1]["run_id"] = "big"
+    assert sweep_status(point_records(records, sweep), sweep.batches) == ([], True)
