@@ -344,6 +344,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         num_blocks=args.analysis_blocks,
         num_examples=args.analysis_examples,
     )
+    for task in args.task:  # a prompt and its answer blocks must fit the model's positions
+        blocks = dcfg.line_blocks if task == "line" else dcfg.recall_blocks
+        limit = config.max_position_embeddings - (blocks + 2) * config.block_size
+        limit = limit // config.block_size * config.block_size
+        too_long = [c for c in args.contexts if c > limit]
+        if too_long:
+            raise ValueError(
+                f"--contexts {too_long[0]}: the {task} task fits at most {limit} prompt tokens "
+                f"in this model (max_position_embeddings {config.max_position_embeddings})"
+            )
     info = _model_info(args, config)
     if info["random_weights"]:
         print(f"NOTE: '{args.model}' has RANDOM weights: scores are noise.", file=sys.stderr)
@@ -386,14 +396,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     def examples_for(task: str, context: int) -> list[Any]:
         if (task, context) not in examples:
-            b = config.block_size
-            blocks = dcfg.line_blocks if task == "line" else dcfg.recall_blocks
-            limit = (config.max_position_embeddings - (blocks + 2) * b) // b * b
-            eff = min(context, limit)
-            if eff < context:
-                ctx_max = config.max_position_embeddings
-                msg = f"NOTE: {context}-token prompts cut to {eff} (model context {ctx_max})"
-                print(msg, file=sys.stderr)
+            eff = context  # checked against the model's positions up front
             t0 = time.perf_counter()
             drop = excluded.get(task, set())
             n_build = args.num_examples + len(drop)  # enough that n remain after the exclusion

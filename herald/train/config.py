@@ -230,6 +230,12 @@ def flag(name: str) -> str:
     return special.get(name, "--" + name.replace("_", "-"))
 
 
+def long_range_key_fits(vocab_size: int, ngram: int, seq_len: int) -> bool:
+    """Whether :func:`herald.train.objective.long_range_tokens` can pack every n-gram of a
+    ``seq_len`` window into one exact int64 key."""
+    return bool(vocab_size**ngram * seq_len < 2**62)
+
+
 def check_values(cfg: TrainConfig) -> None:
     """Check every value of ``cfg`` on its own (no file system, no model): run before any work.
 
@@ -270,6 +276,18 @@ def check_values(cfg: TrainConfig) -> None:
     )
     need(cfg.long_range_distance >= 1, "long_range_distance", ">= 1")
     need(1 <= cfg.long_range_ngram <= 3, "long_range_ngram", "in [1, 3]")
+    if cfg.long_range_weight != 1.0:
+        need(
+            cfg.long_range_distance < cfg.seq_len,
+            "long_range_distance",
+            f"below --seq-len {cfg.seq_len} (no repeat can be that far back)",
+        )
+        need(
+            long_range_key_fits(cfg.vocab_size, cfg.long_range_ngram, cfg.seq_len),
+            "long_range_ngram",
+            f"small enough that vocab_size ** ngram x seq_len fits an int64 key (vocab "
+            f"{cfg.vocab_size}, seq_len {cfg.seq_len})",
+        )
     need(cfg.log_every >= 1, "log_every", ">= 1")
     need(cfg.storage is None or cfg.storage in STORAGES, "storage", f"one of {STORAGES}")
     need(MIN_VOCAB <= cfg.vocab_size <= MAX_VOCAB, "vocab_size", f"in [{MIN_VOCAB}, {MAX_VOCAB}]")

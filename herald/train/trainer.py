@@ -48,6 +48,7 @@ from herald.train.config import (
     check_checkpoint_size,
     count_params,
     effective_storage,
+    long_range_key_fits,
     model_config,
 )
 from herald.train.data import PreparedData, WindowSampler, prepare_data
@@ -190,6 +191,12 @@ class Run:
         self.name_tokens: torch.Tensor | None = None
         self.long_range_fraction: list[torch.Tensor] = []  # flagged share, per step (no sync)
         if cfg.long_range_weight != 1.0:
+            if not long_range_key_fits(config.vocab_size, cfg.long_range_ngram, cfg.seq_len):
+                raise ValueError(
+                    f"--long-range-ngram {cfg.long_range_ngram}: the model's vocabulary "
+                    f"({config.vocab_size}) ** ngram x --seq-len {cfg.seq_len} overflows the "
+                    "int64 n-gram key; use a smaller --long-range-ngram"
+                )
             tok = self.tokenizer
             self.name_tokens = name_token_mask(
                 lambda ids: tok.decode(ids, skip_special_tokens=True), config.vocab_size

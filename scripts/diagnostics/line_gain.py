@@ -43,8 +43,8 @@ def load_set(folder: Path, context: int) -> tuple[list[tuple], list[float], list
     if ids != [c["id"] for c in units["control"]]:
         raise SystemExit(f"{folder}: dense and control ran on different examples")
     metric = HEADLINE["line"]
-    keys = [(by_id[i]["file"], int(by_id[i]["line"]), by_id[i]["target"], by_id[i]["tier"])
-            for i in ids]  # fmt: skip
+    keys = [(by_id[i]["file"], int(by_id[i]["line"]), by_id[i]["target"], by_id[i]["tier"],
+             by_id[i]["package"]) for i in ids]  # fmt: skip
     dense = [100 * float(d[metric]) for d in units["dense"]]
     control = [100 * float(c[metric]) for c in units["control"]]
     return keys, dense, control
@@ -99,6 +99,28 @@ def pool(folders: list[Path], context: int) -> None:
     print(line("pooled (stratified by set)", gains))
     for t, parts in sorted(tiers.items()):
         print(line(f"  tier {t}", [p for p in parts if p]))
+    print(by_package(folders, context))
+
+
+def by_package(folders: list[Path], context: int) -> str:
+    """The pooled gain with packages as the unit: each package's mean gain over its targets of
+    every set, and a one-sample t statistic over the packages (the targets of one package share
+    files and context, so they are not independent draws)."""
+    per: dict[str, list[float]] = {}
+    for folder in folders:
+        keys, dense, control = load_set(folder, context)
+        for k, d, c in zip(keys, dense, control, strict=True):
+            per.setdefault(k[4], []).append(d - c)
+    means = [sum(v) / len(v) for v in per.values()]
+    k = len(means)
+    mu = sum(means) / k
+    sd = (sum((m - mu) ** 2 for m in means) / (k - 1)) ** 0.5 if k > 1 else float("nan")
+    t = mu * k**0.5 / sd if sd > 0 else float("nan")
+    lo, hi = min(means), max(means)
+    return (
+        f"by package: {k} packages, mean of package means {mu:+.2f} ES "
+        f"(range {lo:+.2f} to {hi:+.2f}), t({k - 1}) {t:.2f}"
+    )
 
 
 def compare(a: Path, b: Path, context: int) -> None:

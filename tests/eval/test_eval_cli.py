@@ -84,6 +84,17 @@ def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
         assert not out.exists(), extra  # refused before --out was created
 
 
+def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
+    """A context past the model's positions used to be cut silently, and reported under the
+    asked-for label; now it is refused before any example is built."""
+    args = [a if a != "256" else "10000000" for a in ARGS]
+    out = tmp_path / "x"
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--contexts 10000000: the line task fits at most" in err
+    assert not (out / "examples").exists()
+
+
 def test_eval_labels_the_bundled_checkpoint_as_trained():
     import argparse
 

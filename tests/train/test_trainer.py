@@ -143,6 +143,56 @@ def test_long_range_emphasis_is_logged_and_leaves_validation_plain(trees, tmp_pa
         train(replace(cfg, long_range_weight=0.0), log=lambda s: None)
 
 
+def test_long_range_emphasis_flags_what_the_flags_say(trees, tmp_path, monkeypatch, capsys) -> None:
+    """The weights the loss gets mark exactly the name-like tokens whose n-gram (of the given
+    length) last occurred at least the given distance back, from the command line down."""
+    from herald.train import trainer as trainer_mod
+    from herald.train.objective import long_range_tokens, name_token_mask
+
+    seen: list[tuple[torch.Tensor, torch.Tensor | None, float]] = []
+    real = trainer_mod.loss_weights
+
+    def spy(masked, t, weighting, emphasis=None, emphasis_weight=1.0):
+        seen.append((masked, emphasis, emphasis_weight))
+        return real(masked, t, weighting, emphasis=emphasis, emphasis_weight=emphasis_weight)
+
+    clean_batches: list[torch.Tensor] = []
+    real_lrt = trainer_mod.long_range_tokens
+
+    def spy_lrt(clean, vocab_size, **kw):
+        clean_batches.append(clean.clone())
+        return real_lrt(clean, vocab_size, **kw)
+
+    monkeypatch.setattr(trainer_mod, "loss_weights", spy)
+    monkeypatch.setattr(trainer_mod, "long_range_tokens", spy_lrt)
+    site, std = trees
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out / "ckpt"), "--work-dir", str(tmp_path / "work")]
+    argv += ["--site-dir", str(site), "--stdlib-dir", str(std), "--seq-len", "64"]
+    argv += ["--batch-size", "2", "--max-steps", "2", "--warmup-steps", "0", "--workers", "1"]
+    argv += ["--device", "cpu", "--val-windows", "2", *TINY]
+    lr = ["--long-range-weight", "4", "--long-range-distance", "24", "--long-range-ngram", "2"]
+    assert main([*argv, *lr]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["run"]["long_range"]["weight"] == 4.0
+    assert (log["run"]["long_range"]["distance"], log["run"]["long_range"]["ngram"]) == (24, 2)
+    _, _, tok = load_model(out / "ckpt", device="cpu", dtype=torch.float32)
+    names = name_token_mask(lambda ids: tok.decode(ids, skip_special_tokens=True), 320)
+    train_calls = [x for x in seen if x[1] is not None]
+    assert len(train_calls) == 2 == len(clean_batches)  # validation passes no emphasis
+    for (_, emphasis, weight), clean in zip(train_calls, clean_batches, strict=True):
+        want = names[clean] & long_range_tokens(clean, 320, ngram=2, min_distance=24)
+        assert weight == 4.0 and torch.equal(emphasis, want) and want.any()
+    for bad, says in (
+        (["--long-range-ngram", "5"], "--long-range-ngram"),
+        (["--long-range-distance", "0"], "--long-range-distance"),
+        (["--long-range-distance", "64"], "below --seq-len"),
+    ):
+        capsys.readouterr()
+        assert main([*argv, "--long-range-weight", "4", *bad, "--overwrite"]) == 2, bad
+        assert says in capsys.readouterr().err, bad
+
+
 def test_default_model_fits_the_checkpoint_budget() -> None:
     cfg = model_config(ModelDims(), 8192)
     assert cfg.num_heads // cfg.num_kv_heads == 4 and cfg.max_position_embeddings >= 16384
