@@ -226,6 +226,14 @@ def run(args: argparse.Namespace) -> int:
     if args.part:
         sweeps = plan.split_parts(sweeps, *plan.parse_part(args.part))
     runner = Runner(args, sweeps, everything)
+    other = {r.get("device") for r in runner.records if r.get("kind") == "point"}
+    other -= {torch.device(args.device).type}
+    if other and not args.dry_run:
+        raise ValueError(
+            f"--out {args.out} holds {'/'.join(sorted(map(str, other)))} points; a "
+            f"{args.device} run would mix into them (the default --out is the committed GPU "
+            "results): give another --out"
+        )
     try:
         rc = runner.run()
     finally:

@@ -134,6 +134,26 @@ def sweep_status(
     return todo, False
 
 
+REFINE_GRAIN = 8  # dense sweeps bisect a GPU OOM end until this close to the last fit
+
+
+def refine_batch(recs: dict[int, dict[str, Any]], grain: int = REFINE_GRAIN) -> int | None:
+    """The next batch that narrows a sweep's GPU-out-of-memory end: halfway (a multiple of 4)
+    between the largest batch that fit below the first OOM and that OOM, while they are more
+    than ``grain`` apart; None when close enough, or when the sweep did not end on an OOM. So
+    the dense baseline runs at (nearly) the largest batch that fits, not the largest one on a
+    coarse list (issue 5: "largest batch that fits")."""
+    fails = sorted(b for b, r in recs.items() if r["status"] == "oom")
+    if not fails:
+        return None
+    ok = [b for b, r in recs.items() if r["status"] == "ok" and b < fails[0]]
+    if not ok or fails[0] - max(ok) <= grain:
+        return None
+    lo = max(ok)
+    mid = lo + max(4, (fails[0] - lo) // 2 // 4 * 4)
+    return mid if lo < mid < fails[0] and mid not in recs else None
+
+
 def peak(recs: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     ok = [r for r in recs.values() if r["status"] == "ok"]
     return max(ok, key=lambda r: r["decode_tokens_per_s"]) if ok else None
@@ -193,7 +213,10 @@ class Runner:
             top = peak(ref_recs)
             batches = (top["batch"] if top else sweep.peak_default or 1,)
         recs = point_records(self.records, sweep, self.setting(sweep), self.here_gib)
-        todo, _ = sweep_status(recs, batches, self.args.retry_errors)
+        todo, ended = sweep_status(recs, batches, self.args.retry_errors)
+        if not todo and ended and sweep.batches and not VARIANTS[sweep.variant].offload:
+            mid = refine_batch(recs)
+            todo = [] if mid is None else [mid]
         return ("run", todo) if todo else ("done", [])
 
     def planned(self, ref: Sweep) -> Sweep:
@@ -328,15 +351,19 @@ class Runner:
             return 0
         self.header()
         for i, (sweep, _) in enumerate(pending):
-            state, todo = self.plan_sweep(sweep)  # again: earlier sweeps may resolve a peak
-            if state != "run":
-                continue
-            for bs in todo:
+            tried: set[int] = set()
+            while True:  # planned again after each point: earlier sweeps may resolve a peak,
+                # an OOM ends the list, and a dense sweep's OOM end is narrowed (refine_batch)
+                state, todo = self.plan_sweep(sweep)
+                todo = [b for b in todo if b not in tried]
+                if state != "run" or not todo:
+                    break
+                bs = todo[0]
                 if self.estimate(sweep, bs) > self.time_left():
                     log(f"time limit: stopping before {sweep.label} batch {bs}")
                     return self.finish()
-                if self.run_point(sweep, bs, pending[i:]) in ("oom", "dram"):
-                    break
+                tried.add(bs)
+                self.run_point(sweep, bs, pending[i:])
         return self.finish()
 
     def finish(self) -> int:

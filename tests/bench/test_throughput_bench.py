@@ -85,6 +85,40 @@ def test_injected_oom_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     assert len(_records(tmp_path)) == 4
 
 
+def test_dense_sweep_narrows_its_oom_end(tmp_path, monkeypatch):
+    """The dense baseline runs at (nearly) the largest batch that fits: an OOM end more than 8
+    batches past the last fit is bisected (here the GPU holds batches below 12)."""
+    real = throughput_point.build_engine
+
+    def small_gpu(ps, sweep, batch):
+        if batch >= 12:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(ps, sweep, batch)
+
+    monkeypatch.setattr(throughput_point, "build_engine", small_gpu)
+    argv = ["--model", "tiny-sdar", "--context", "64", "--mode", "dense", "--batches", "1,33",
+            "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 0
+    got = [(p["batch"], p["status"]) for p in _records(tmp_path)]
+    assert got == [(1, "ok"), (33, "oom"), (17, "oom"), (9, "ok")]
+    assert "GPU OOM at bs 17" in (tmp_path / "README.md").read_text()
+    assert throughput.main(argv) == 0  # resumed: 9 and 17 are 8 apart, nothing left
+    assert len(_records(tmp_path)) == 4
+
+
+def test_refine_batch_rules():
+    from herald.bench.throughput_run import refine_batch
+
+    def recs(**kw):
+        return {int(b[1:]): {"status": st} for b, st in kw.items()}
+
+    assert refine_batch(recs(b48="ok", b64="oom")) == 56
+    assert refine_batch(recs(b48="ok", b56="ok", b64="oom")) is None  # 8 apart: close enough
+    assert refine_batch(recs(b128="ok", b160="oom")) == 144
+    assert refine_batch(recs(b16="ok", b32="dram")) is None  # only GPU OOM ends are narrowed
+    assert refine_batch(recs(b16="oom")) is None  # nothing fit: nothing to narrow towards
+
+
 def test_cpu_pool_bound_is_recorded_as_dram(tmp_path):
     # 13 pages of 16 KiB: one request of 256 + 96 tokens takes 12 (11 blocks + scratch)
     argv = ["--model", "tiny-llada2", "--context", "256", "--mode", "herald", "--batches", "1,2",
@@ -159,6 +193,15 @@ def test_bad_sweep_values_fail_in_one_line_before_any_work(tmp_path, capsys, fla
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / throughput.JSONL_NAME).exists()  # nothing probed or recorded
+
+
+def test_a_cpu_run_does_not_mix_into_gpu_results(tmp_path, capsys):
+    rec = {"kind": "point", "device": "cuda", "model": "tiny-sdar", "batch": 1, "status": "ok"}
+    (tmp_path / throughput.JSONL_NAME).write_text(json.dumps(rec) + "\n")
+    argv = ["--model", "tiny-sdar", "--context", "64", "--mode", "dense", "--batches", "1"]
+    assert throughput.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "holds cuda points" in capsys.readouterr().err
+    assert len((tmp_path / throughput.JSONL_NAME).read_text().splitlines()) == 1
 
 
 def test_filters_that_select_nothing_are_an_error(tmp_path, capsys):
