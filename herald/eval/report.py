@@ -173,6 +173,8 @@ def _order(label: str) -> tuple[int, float]:
 
 SMALL_N = 30
 """Fewer examples than this: the acceptance line says the bootstrap is only a rough check."""
+MIN_VERDICT_N = 10
+"""Fewer paired examples than this: the acceptance line gives no verdict at all."""
 
 
 def _scores(
@@ -208,6 +210,8 @@ def acceptance(units: dict[str, dict[str, Any]], table: dict[str, Any]) -> list[
             a, b, lo, hi = pair
             diff = 100 * (sum(a) - sum(b)) / len(a)
             clear = "clearly above" if lo > 0 else "NOT clearly above"
+            if len(a) < MIN_VERDICT_N:  # a bootstrap of a handful of examples means nothing
+                clear = f"no verdict below {MIN_VERDICT_N} examples"
             lines.append(
                 f"- {ctx} tokens, {task} ({m.upper()}): dense {100 * sum(a) / len(a):.1f} vs control {100 * sum(b) / len(b):.1f}: "
                 f"{diff:+.1f} points, 95% paired bootstrap [{100 * lo:+.1f}, {100 * hi:+.1f}] -> {clear}"

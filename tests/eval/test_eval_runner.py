@@ -54,6 +54,11 @@ def test_acceptance_lines_from_a_committed_run():
     line = next(x for x in lines if "line (ES)" in x)
     assert "dense 40.8 vs control 34.0" in line and "-> clearly above" in line
     assert "(only 24 examples: a rough check)" in line
+    # a handful of examples gets no verdict (one example gave "clearly above" on [+9.9, +9.9])
+    few = {k: {**u, "examples": u["examples"][:5]} if k.startswith("line_8192_") else u
+           for k, u in units.items()}  # fmt: skip
+    tiny = next(x for x in acceptance(few, summary_table(few)) if "line (ES)" in x)
+    assert "-> no verdict below 10 examples" in tiny and "clearly above" not in tiny
     # one task: the average's interval is that task's paired interval
     herald = next(x for x in lines if "herald: average" in x)
     assert "average +0.69 [" in herald and "at its operating budget 0.05" in herald
