@@ -36,7 +36,7 @@ NAMES = {  # the report's names
     "per_block_fetch": "per-block fetch (budget)",
     "full_kv_per_block_fetch": "per-block fetch (full KV)",
     "cpu_selection": "CPU selection (kernel, measured)",
-    "cpu_selection_dram": "CPU selection at DRAM speed",
+    "cpu_selection_dram": "CPU selection at DRAM speed (estimate)",
     "gpu_forward": "GPU forward (measured)",
 }
 

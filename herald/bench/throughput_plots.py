@@ -29,7 +29,8 @@ def plot_fig12(
     ceilings: Ceilings, series: dict[str, dict[int, dict[str, Any]]], path: Path, title: str
 ) -> bool:
     """Throughput vs batch per mode, with the ceilings that can bind HERALD (per-block fetch,
-    CPU selection, GPU forward), MAGE (full-KV fetch), InfiniGen (per-block fetch of its budget)
+    CPU selection, GPU forward; and the per-step fetch it avoids by fetching once per block),
+    MAGE (full-KV fetch), InfiniGen (per-block fetch of its budget)
     and Dense (GPU forward), each at the measured points of its mode."""
     plt = pyplot()
     if plt is None:
@@ -47,8 +48,9 @@ def plot_fig12(
     # Each ceiling is drawn per point (PCIe and DRAM are probed per run, so a sweep measured in
     # several runs has several values), for the mode it can bind.
     for v, drawn in (
-        ("herald", (("per_block_fetch", "c--"), ("cpu_selection_dram", "m:"),
-                    ("cpu_selection", "m^:"), ("gpu_forward", "gs:"))),
+        ("herald", (("per_step_fetch", "b-."), ("per_block_fetch", "c--"),
+                    ("cpu_selection_dram", "m:"), ("cpu_selection", "m^:"),
+                    ("gpu_forward", "gs:"))),
         ("mage", (("full_kv_per_block_fetch", "r--"),)),
         ("infinigen", (("per_block_fetch", "y--"),)),
     ):  # fmt: skip

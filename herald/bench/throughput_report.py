@@ -320,7 +320,7 @@ def fig12(d: Data, out: Path, model: str, cap: float | None, plots: list[str]) -
     }
     if not any(series.values()):
         return lines + ["(no points yet)"]
-    lines += ["| mode | bs | tok/s | fwd ms | per-step fetch | per-block fetch | per-block fetch, full KV | CPU selection | CPU sel. at DRAM speed | GPU forward | main s/block | retrieval s/block | stall s/block | lowest ceiling of the mode |",
+    lines += ["| mode | bs | tok/s | fwd ms | per-step fetch | per-block fetch | per-block fetch, full KV | CPU selection | CPU sel. at DRAM speed (est.) | GPU forward | main s/block | retrieval s/block | stall s/block | lowest ceiling of the mode |",
               "| --- |" + " --- |" * 13]  # fmt: skip
     for v, recs in series.items():
         for bs in sorted(recs):
