@@ -84,6 +84,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--long-range-distance", type=int, default=d.long_range_distance)
     p.add_argument("--long-range-ngram", type=int, default=d.long_range_ngram)
+    p.add_argument(
+        "--long-range-scope",
+        choices=["vocab", "code"],
+        default=d.long_range_scope,
+        help="which tokens may be long-range: vocab (name-like vocabulary entries) or code "
+        "(tokens of a Python name in code, not in strings or comments)",
+    )
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument(
         "--vocab-size",
@@ -158,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         long_range_weight=args.long_range_weight,
         long_range_distance=args.long_range_distance,
         long_range_ngram=args.long_range_ngram,
+        long_range_scope=args.long_range_scope,
         log_every=args.log_every,
         vocab_size=TrainConfig.vocab_size if args.vocab_size is None else args.vocab_size,
         tokenizer_sample_mb=args.tokenizer_sample_mb,

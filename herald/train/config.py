@@ -190,6 +190,10 @@ class TrainConfig:
     """Tokens back that make a repeat long-range (512: beyond the eval's no-context control)."""
     long_range_ngram: int = 3
     """N-gram length of the repeat (1-3 with an 8K vocabulary at 16K tokens: exact int64 keys)."""
+    long_range_scope: str = "vocab"
+    """Which tokens may be long-range: ``vocab`` (name-like vocabulary entries, run 5) or
+    ``code`` (tokens of a name in code, not in strings or comments;
+    :mod:`herald.train.code_names`)."""
     log_every: int = 20
     """Progress line every N steps."""
     vocab_size: int = 8192
@@ -228,6 +232,9 @@ def flag(name: str) -> str:
     """The ``herald train`` flag of a :class:`TrainConfig` / :class:`ModelDims` field name."""
     special = {"out_dir": "--out", "site_dirs": "--site-dir", "stdlib_dirs": "--stdlib-dir"}
     return special.get(name, "--" + name.replace("_", "-"))
+
+
+LONG_RANGE_SCOPES = ("vocab", "code")
 
 
 def long_range_key_fits(vocab_size: int, ngram: int, seq_len: int) -> bool:
@@ -276,6 +283,7 @@ def check_values(cfg: TrainConfig) -> None:
     )
     need(cfg.long_range_distance >= 1, "long_range_distance", ">= 1")
     need(1 <= cfg.long_range_ngram <= 3, "long_range_ngram", "in [1, 3]")
+    need(cfg.long_range_scope in LONG_RANGE_SCOPES, "long_range_scope", "'vocab' or 'code'")
     if cfg.long_range_weight != 1.0:
         need(
             cfg.long_range_distance < cfg.seq_len,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from herald.train.code_names import code_name_stream
 from herald.train.corpus import (
     Corpus,
     order_documents,
@@ -30,7 +31,7 @@ from herald.train.corpus import (
     scan_stdlib,
     scan_third_party,
 )
-from herald.train.tokenizer_train import encode_documents, sample_documents, train_bpe
+from herald.train.tokenizer_train import EOS_ID, encode_documents, sample_documents, train_bpe
 
 STREAM_FORMAT = "herald-stream-v2"
 
@@ -68,6 +69,24 @@ def save_stream(work_dir: Path, key: str, stream: np.ndarray) -> np.ndarray:
     return np.memmap(data, dtype=np.uint16, mode="r", shape=(int(stream.size),))
 
 
+def load_cached_names(work_dir: Path, key: str, size: int) -> np.ndarray | None:
+    """The cached code-name mask of stream ``key`` (read-only uint8 memmap), or None."""
+    path = work_dir / f"stream-{key}.names.u8"
+    if not path.is_file() or path.stat().st_size != size:
+        return None
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+
+
+def save_names(work_dir: Path, key: str, names: np.ndarray) -> np.ndarray:
+    """Write the code-name mask of stream ``key`` and return it as a read-only memmap."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / f"stream-{key}.names.u8"
+    tmp = path.with_suffix(".tmp")
+    np.ascontiguousarray(names, dtype=np.uint8).tofile(tmp)
+    os.replace(tmp, path)
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(int(names.size),))
+
+
 class WindowSampler:
     """Seeded, resumable batches of ``seq_len``-token windows of a token stream.
 
@@ -81,8 +100,19 @@ class WindowSampler:
         ValueError: the stream holds fewer than one window.
     """
 
-    def __init__(self, stream: np.ndarray, seq_len: int, seed: int, position: int = 0) -> None:
+    def __init__(
+        self,
+        stream: np.ndarray,
+        seq_len: int,
+        seed: int,
+        position: int = 0,
+        aux: np.ndarray | None = None,
+    ) -> None:
         self.num_windows = int(stream.size) // seq_len
+        if aux is not None and aux.shape != stream.shape:
+            raise ValueError(f"aux stream of shape {aux.shape} does not match {stream.shape}")
+        self.aux = aux
+        self.last_windows: list[int] = []
         if self.num_windows < 1:
             raise ValueError(f"token stream of {stream.size} tokens is shorter than {seq_len}")
         self.stream = stream
@@ -112,9 +142,23 @@ class WindowSampler:
 
     def next_batch(self, batch_size: int) -> np.ndarray:
         """The next ``batch_size`` windows: [batch_size, seq_len] int64; advances the position."""
-        rows = [self.window(self.window_index(self.position + b)) for b in range(batch_size)]
+        self.last_windows = [self.window_index(self.position + b) for b in range(batch_size)]
+        rows = [self.window(i) for i in self.last_windows]
         self.position += batch_size
         return np.stack(rows)
+
+    def aux_batch(self) -> np.ndarray:
+        """The ``aux`` stream's windows of the last :meth:`next_batch`: [batch_size, seq_len]
+        bool (e.g. the code-name mask of :mod:`herald.train.code_names`).
+
+        Raises:
+            ValueError: the sampler has no aux stream.
+        """
+        if self.aux is None:
+            raise ValueError("this sampler has no aux stream")
+        L = self.seq_len
+        return np.stack([np.asarray(self.aux[i * L : (i + 1) * L], dtype=bool)
+                         for i in self.last_windows])  # fmt: skip
 
 
 @dataclass
@@ -130,6 +174,9 @@ class PreparedData:
     stdlib_manifest: dict[str, Any]
     stream_key: str
     timings: dict[str, float] = field(default_factory=dict)
+    code_names: np.ndarray | None = None
+    """[N] uint8 (0/1) beside ``stream``: tokens of a name in code (:mod:`herald.train.code_names`),
+    when asked for."""
 
 
 def stdlib_val_windows(
@@ -166,6 +213,7 @@ def prepare_data(
     stdlib_dirs: list[Path] | None = None,
     workers: int = 1,
     order: str = "package",
+    code_names: bool = False,
     log: Callable[[str], None] = print,
 ) -> PreparedData:
     """Scan (stdlib, then third-party minus the stdlib), train the BPE unless ``backend`` is
@@ -218,6 +266,19 @@ def prepare_data(
         f"{manifest['bytes'] / stream.size:.2f} "
         f"bytes/token, {stream.size // seq_len} windows of {seq_len} ({timings['encode_s']:.1f} s)"
     )
+    names = None
+    if code_names:
+        t = time.perf_counter()
+        names = load_cached_names(work_dir, key, stream.size)
+        if names is None:
+            names = save_names(
+                work_dir, key, code_name_stream(docs, stream, backend, (EOS_ID,), workers)
+            )
+        timings["code_names_s"] = time.perf_counter() - t
+        log(
+            f"code names: {float(np.mean(names)):.1%} of the stream's tokens are part of a name "
+            f"in code ({timings['code_names_s']:.1f} s)"
+        )
     val = stdlib_val_windows(stdlib, backend, seq_len, val_windows, seed) if val_windows else None
     return PreparedData(
         stream=stream,
@@ -227,4 +288,5 @@ def prepare_data(
         stdlib_manifest=std_manifest,
         stream_key=key,
         timings=timings,
+        code_names=names,
     )

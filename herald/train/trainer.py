@@ -153,6 +153,7 @@ class Run:
             stdlib_dirs=cfg.stdlib_dirs,
             workers=workers,
             order=cfg.data_order,
+            code_names=cfg.long_range_weight != 1.0 and cfg.long_range_scope == "code",
             log=self.log,
         )
         self.tokenizer = as_herald_tokenizer(self.data.backend)
@@ -169,7 +170,9 @@ class Run:
         position = int(self.state.get("data_position", 0))
         old_len = int(self.state.get("seq_len", cfg.seq_len))
         position = position * old_len // cfg.seq_len
-        self.sampler = WindowSampler(self.data.stream, cfg.seq_len, cfg.seed, position)
+        self.sampler = WindowSampler(
+            self.data.stream, cfg.seq_len, cfg.seed, position, aux=self.data.code_names
+        )
         self.global_step = int(self.state.get("global_step", 0))
         self.tokens_seen = int(self.state.get("tokens_seen", 0))
         self._build_model()
@@ -258,10 +261,17 @@ class Run:
         return t
 
     def _loss(
-        self, clean: torch.Tensor, step: int, weighting: str, seed: int, emphasis: bool = True
+        self,
+        clean: torch.Tensor,
+        step: int,
+        weighting: str,
+        seed: int,
+        emphasis: bool = True,
+        code_names: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's loss; ``emphasis`` applies ``long_range_weight`` (training; validation
-        reports the plain loss)."""
+        reports the plain loss); ``code_names`` ([bs, L] bool, the ``code`` scope) replaces the
+        vocabulary's name-like tokens as the tokens that may be long-range."""
         cfg = self.cfg
         gen = noise_generator(self.device, seed, step)
         noisy, masked, t = sample_noise(
@@ -273,7 +283,8 @@ class Run:
         )
         flagged = None
         if emphasis and self.name_tokens is not None:
-            flagged = self.name_tokens[clean] & long_range_tokens(
+            scope = self.name_tokens[clean] if code_names is None else code_names
+            flagged = scope & long_range_tokens(
                 clean,
                 self.config.vocab_size,
                 ngram=cfg.long_range_ngram,
@@ -309,10 +320,13 @@ class Run:
     def _train_step(self, run_step: int, total: int | None) -> torch.Tensor:
         cfg = self.cfg
         clean = self._to_device(self.sampler.next_batch(cfg.batch_size))
+        names = None
+        if self.sampler.aux is not None:
+            names = self._to_device(self.sampler.aux_batch())
         lr = lr_at(run_step, cfg, total)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss = self._loss(clean, self.global_step, cfg.loss_weighting, cfg.seed)
+        loss = self._loss(clean, self.global_step, cfg.loss_weighting, cfg.seed, code_names=names)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
@@ -412,6 +426,7 @@ class Run:
                 "weight": cfg.long_range_weight,
                 "distance": cfg.long_range_distance,
                 "ngram": cfg.long_range_ngram,
+                "scope": cfg.long_range_scope,
                 "flagged_fraction": round(float(torch.stack(frac).mean()), 4) if frac else None,
             }
         }

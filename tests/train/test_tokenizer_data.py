@@ -83,3 +83,54 @@ def test_windows_are_seeded_and_resumable(tmp_path: Path) -> None:
     assert not np.array_equal(WindowSampler(cached, 64, seed=6).next_batch(4), batches[0])
     with pytest.raises(ValueError, match="shorter"):
         WindowSampler(stream[:10], 64, seed=0)
+
+
+def test_sampler_aux_windows_follow_the_token_windows(tmp_path: Path) -> None:
+    stream = np.arange(1000, dtype=np.uint16)
+    aux = (stream % 3 == 0).astype(np.uint8)
+    s = WindowSampler(stream, 64, seed=5, aux=aux)
+    for _ in range(5):
+        tokens = s.next_batch(4)
+        assert np.array_equal(s.aux_batch(), tokens % 3 == 0)
+    with pytest.raises(ValueError, match="does not match"):
+        WindowSampler(stream, 64, seed=5, aux=aux[:-1])
+    with pytest.raises(ValueError, match="no aux"):
+        WindowSampler(stream, 64, seed=5).aux_batch()
+
+
+def test_code_names_mark_names_in_code_only(backend) -> None:
+    from herald.train.code_names import code_name_mask, name_spans, token_byte_lengths
+
+    text = 'import os\ndef f(a):\n    """Doc names here."""\n    return os.sep + a  # note x\n'
+    got = {text.encode()[a:b].decode() for a, b in name_spans(text)}
+    assert got == {"os", "f", "a", "sep"}  # no keyword, nothing from the docstring or comment
+    ids = np.asarray(backend.encode(text, add_special_tokens=False).ids)
+    mask = code_name_mask(text, ids, token_byte_lengths(backend))
+    marked = "".join(backend.decode([int(i)]) for i, m in zip(ids, mask, strict=True) if m)
+    assert "Doc" not in marked and "note" not in marked and "return" not in marked
+    assert "sep" in marked and "os" in marked
+    # non-ASCII text before a name: byte offsets, not character offsets
+    text2 = "s = 'héllo'; name = 1\n"
+    assert [text2.encode()[a:b] for a, b in name_spans(text2)] == [b"s", b"name"]
+    # source that does not tokenize keeps the names before the error
+    broken = "x = (1,\n"
+    assert [broken.encode()[a:b] for a, b in name_spans(broken)] == [b"x"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_code_name_stream_matches_each_document(backend, workers) -> None:
+    from herald.train.code_names import code_name_mask, code_name_stream, token_byte_lengths
+
+    docs = [module_text("p", j) for j in range(40)] + ["", "x = 1\n", ""]
+    eos = [i % 3 == 0 for i in range(len(docs))]
+    stream = T.encode_documents(backend, docs, eos)
+    got = code_name_stream(docs, stream, backend, (T.EOS_ID,), workers=workers)
+    assert got.dtype == np.uint8 and got.shape == stream.shape
+    lengths, want = token_byte_lengths(backend), []
+    for d, e in zip(docs, eos, strict=True):
+        ids = np.asarray(backend.encode(d, add_special_tokens=False).ids, dtype=np.int64)
+        want.append(code_name_mask(d, ids, lengths).astype(np.uint8))
+        want.append(np.zeros(int(e), dtype=np.uint8))
+    assert np.array_equal(got, np.concatenate(want)) and 0 < got.mean() < 1
+    with pytest.raises(ValueError, match="do not cover"):
+        code_name_stream(docs[:-2], stream, backend, (T.EOS_ID,))

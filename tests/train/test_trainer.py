@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,9 +144,13 @@ def test_long_range_emphasis_is_logged_and_leaves_validation_plain(trees, tmp_pa
         train(replace(cfg, long_range_weight=0.0), log=lambda s: None)
 
 
-def test_long_range_emphasis_flags_what_the_flags_say(trees, tmp_path, monkeypatch, capsys) -> None:
-    """The weights the loss gets mark exactly the name-like tokens whose n-gram (of the given
-    length) last occurred at least the given distance back, from the command line down."""
+@pytest.mark.parametrize("scope", ["vocab", "code"])
+def test_long_range_emphasis_flags_what_the_flags_say(
+    trees, tmp_path, monkeypatch, capsys, scope
+) -> None:
+    """The weights the loss gets mark exactly the name-like tokens (``vocab``: by vocabulary
+    entry; ``code``: tokens of a Python name in code) whose n-gram (of the given length) last
+    occurred at least the given distance back, from the command line down."""
     from herald.train import trainer as trainer_mod
     from herald.train.objective import long_range_tokens, name_token_mask
 
@@ -163,6 +168,16 @@ def test_long_range_emphasis_flags_what_the_flags_say(trees, tmp_path, monkeypat
         clean_batches.append(clean.clone())
         return real_lrt(clean, vocab_size, **kw)
 
+    from herald.train.data import WindowSampler
+
+    aux_batches: list[np.ndarray] = []
+    real_aux = WindowSampler.aux_batch
+
+    def spy_aux(self):
+        aux_batches.append(real_aux(self))
+        return aux_batches[-1]
+
+    monkeypatch.setattr(WindowSampler, "aux_batch", spy_aux)
     monkeypatch.setattr(trainer_mod, "loss_weights", spy)
     monkeypatch.setattr(trainer_mod, "long_range_tokens", spy_lrt)
     site, std = trees
@@ -172,16 +187,23 @@ def test_long_range_emphasis_flags_what_the_flags_say(trees, tmp_path, monkeypat
     argv += ["--batch-size", "2", "--max-steps", "2", "--warmup-steps", "0", "--workers", "1"]
     argv += ["--device", "cpu", "--val-windows", "2", *TINY]
     lr = ["--long-range-weight", "4", "--long-range-distance", "24", "--long-range-ngram", "2"]
+    lr += ["--long-range-scope", scope]
     assert main([*argv, *lr]) == 0
     log = json.loads((out / "train_log.json").read_text())
     assert log["run"]["long_range"]["weight"] == 4.0
     assert (log["run"]["long_range"]["distance"], log["run"]["long_range"]["ngram"]) == (24, 2)
+    assert log["run"]["long_range"]["scope"] == scope
     _, _, tok = load_model(out / "ckpt", device="cpu", dtype=torch.float32)
     names = name_token_mask(lambda ids: tok.decode(ids, skip_special_tokens=True), 320)
     train_calls = [x for x in seen if x[1] is not None]
     assert len(train_calls) == 2 == len(clean_batches)  # validation passes no emphasis
-    for (_, emphasis, weight), clean in zip(train_calls, clean_batches, strict=True):
-        want = names[clean] & long_range_tokens(clean, 320, ngram=2, min_distance=24)
+    # the code scope's masks are the sampler's aux windows (their content: test_tokenizer_data)
+    assert len(aux_batches) == (2 if scope == "code" else 0)
+    for k, ((_, emphasis, weight), clean) in enumerate(
+        zip(train_calls, clean_batches, strict=True)
+    ):
+        allowed = names[clean] if scope == "vocab" else torch.from_numpy(aux_batches[k])
+        want = allowed & long_range_tokens(clean, 320, ngram=2, min_distance=24)
         assert weight == 4.0 and torch.equal(emphasis, want) and want.any()
     for bad, says in (
         (["--long-range-ngram", "5"], "--long-range-ngram"),
