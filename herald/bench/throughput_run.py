@@ -91,7 +91,7 @@ def smaller_host_dram_ends(
     out = {}
     for b, r in recs.items():
         gib = memory.get(r.get("run_id", ""))
-        if r["status"] != "dram" or gib is None or gib >= most:
+        if r["status"] != "dram" or gib is None or gib >= 0.95 * most:  # same host kind
             continue
         if here_gib is not None and gib >= here_gib:
             continue
@@ -138,11 +138,11 @@ REFINE_GRAIN = 8  # dense sweeps bisect a GPU OOM end until this close to the la
 
 
 def refine_batch(recs: dict[int, dict[str, Any]], grain: int = REFINE_GRAIN) -> int | None:
-    """The next batch that narrows a sweep's GPU-out-of-memory end: halfway (a multiple of 4)
-    between the largest batch that fit below the first OOM and that OOM, while they are more
-    than ``grain`` apart; None when close enough, or when the sweep did not end on an OOM. So
-    the dense baseline runs at (nearly) the largest batch that fits, not the largest one on a
-    coarse list (issue 5: "largest batch that fits")."""
+    """The next batch that narrows a sweep's GPU-out-of-memory end: about halfway (the last
+    fit plus a multiple of 4) between the largest batch that fit below the first OOM and that
+    OOM, while they are more than ``grain`` apart; None when close enough, or when the sweep
+    did not end on an OOM. So the dense baseline runs at (nearly) the largest batch that fits,
+    not the largest one on a coarse list (issue 5: "largest batch that fits")."""
     fails = sorted(b for b, r in recs.items() if r["status"] == "oom")
     if not fails:
         return None

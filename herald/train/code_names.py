@@ -22,17 +22,28 @@ import tokenizers
 
 def name_spans(text: str) -> list[tuple[int, int]]:
     """Byte ranges ``[start, end)`` (UTF-8 offsets into ``text``) of the non-keyword ``NAME``
-    tokens of ``text`` read as Python. Source that does not tokenize to the end (Python 2
-    code, unbalanced brackets) keeps the names found before the error."""
-    lines = text.splitlines(keepends=True)
+    tokens of ``text`` read as Python, outside f-strings (Python 3.12 tokenizes the names in an
+    f-string's braces; they count as string text here, the same on every version). Source that
+    does not tokenize to the end (Python 2 code, unbalanced brackets) keeps the names found
+    before the error."""
+    lines = io.StringIO(text).readlines()  # the lines tokenize reads: split at "\n" only
     starts = [0]
     for line in lines:
         starts.append(starts[-1] + len(line.encode()))
     ascii_text = text.isascii()
     spans: list[tuple[int, int]] = []
+    fstring_start = getattr(tokenize, "FSTRING_START", None)  # Python 3.12+
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    depth = 0  # inside an f-string: its names count as string text, as on Python 3.11
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type != tokenize.NAME or keyword.iskeyword(tok.string):
+            if fstring_start is not None and tok.type == fstring_start:
+                depth += 1
+            elif fstring_end is not None and tok.type == fstring_end:
+                depth -= 1
+            if tok.type != tokenize.NAME or depth > 0:
+                continue
+            if keyword.iskeyword(tok.string.lstrip("\ufeff")):
                 continue
             (r0, c0), (r1, c1) = tok.start, tok.end
             if ascii_text:
@@ -136,6 +147,11 @@ def code_name_stream(
     if int(lengths.sum()) != sum(len(d.encode()) for d in docs):
         raise ValueError("the documents do not cover the token stream's bytes")
     ranges = _doc_token_ranges(docs, stream, lengths)
+    cum = np.cumsum(lengths)
+    doc_end = np.cumsum([len(d.encode()) for d in docs])
+    full = ranges[:, 1] > ranges[:, 0]
+    if np.any(cum[ranges[full, 1] - 1] != doc_end[full]):
+        raise ValueError("the documents' boundaries do not fall on token boundaries of the stream")
     _SHARED.update(docs=docs, stream=np.asarray(stream), ranges=ranges, lengths=per_id)
     step = max(1, len(docs) // (8 * max(1, workers)))
     jobs = [(i, min(i + step, len(docs))) for i in range(0, len(docs), step)]

@@ -34,6 +34,7 @@ from herald.train.corpus import (
 from herald.train.tokenizer_train import EOS_ID, encode_documents, sample_documents, train_bpe
 
 STREAM_FORMAT = "herald-stream-v2"
+NAMES_FORMAT = "names-v2"  # the code-name mask's rule (herald.train.code_names); bump on change
 
 
 def stream_cache_key(*parts: str) -> str:
@@ -71,7 +72,7 @@ def save_stream(work_dir: Path, key: str, stream: np.ndarray) -> np.ndarray:
 
 def load_cached_names(work_dir: Path, key: str, size: int) -> np.ndarray | None:
     """The cached code-name mask of stream ``key`` (read-only uint8 memmap), or None."""
-    path = work_dir / f"stream-{key}.names.u8"
+    path = work_dir / f"stream-{key}.{NAMES_FORMAT}.u8"
     if not path.is_file() or path.stat().st_size != size:
         return None
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
@@ -80,7 +81,7 @@ def load_cached_names(work_dir: Path, key: str, size: int) -> np.ndarray | None:
 def save_names(work_dir: Path, key: str, names: np.ndarray) -> np.ndarray:
     """Write the code-name mask of stream ``key`` and return it as a read-only memmap."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    path = work_dir / f"stream-{key}.names.u8"
+    path = work_dir / f"stream-{key}.{NAMES_FORMAT}.u8"
     tmp = path.with_suffix(".tmp")
     np.ascontiguousarray(names, dtype=np.uint8).tofile(tmp)
     os.replace(tmp, path)

@@ -283,7 +283,9 @@ class Run:
         )
         flagged = None
         if emphasis and self.name_tokens is not None:
-            scope = self.name_tokens[clean] if code_names is None else code_names
+            scope = self.name_tokens[clean]  # name-like entries (no self, cls, keywords)
+            if code_names is not None:
+                scope = scope & code_names  # ...that are part of a name in code
             flagged = scope & long_range_tokens(
                 clean,
                 self.config.vocab_size,

@@ -116,6 +116,16 @@ def test_code_names_mark_names_in_code_only(backend) -> None:
     broken = "x = (1,\n"
     assert [broken.encode()[a:b] for a, b in name_spans(broken)] == [b"x"]
 
+    def names(src: str) -> list[bytes]:
+        return [src.encode()[a:b] for a, b in name_spans(src)]
+
+    # line breaks other than "\n" (form feed, U+2028 in a string) do not shift later lines
+    assert names("a = 1\n\x0cdef foo(bar):\n    return bar\n") == [b"a", b"foo", b"bar", b"bar"]
+    assert names('s = "x\u2028y"\nname = 1\n') == [b"s", b"name"]
+    # f-string braces are string text on every Python version; a BOM does not hide a keyword
+    assert names('x = f"{y!r:>{width}}"\n') == [b"x"]
+    assert names("\ufeffimport os\n") == [b"os"]
+
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_code_name_stream_matches_each_document(backend, workers) -> None:
@@ -134,3 +144,5 @@ def test_code_name_stream_matches_each_document(backend, workers) -> None:
     assert np.array_equal(got, np.concatenate(want)) and 0 < got.mean() < 1
     with pytest.raises(ValueError, match="do not cover"):
         code_name_stream(docs[:-2], stream, backend, (T.EOS_ID,))
+    with pytest.raises(ValueError, match="boundaries"):  # same bytes, another order
+        code_name_stream(docs[::-1], stream, backend, (T.EOS_ID,))

@@ -202,7 +202,9 @@ def test_long_range_emphasis_flags_what_the_flags_say(
     for k, ((_, emphasis, weight), clean) in enumerate(
         zip(train_calls, clean_batches, strict=True)
     ):
-        allowed = names[clean] if scope == "vocab" else torch.from_numpy(aux_batches[k])
+        allowed = names[clean]  # the code scope: name-like entries inside code names
+        if scope == "code":
+            allowed = allowed & torch.from_numpy(aux_batches[k])
         want = allowed & long_range_tokens(clean, 320, ngram=2, min_distance=24)
         assert weight == 4.0 and torch.equal(emphasis, want) and want.any()
     for bad, says in (
