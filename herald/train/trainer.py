@@ -270,8 +270,9 @@ class Run:
         code_names: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's loss; ``emphasis`` applies ``long_range_weight`` (training; validation
-        reports the plain loss); ``code_names`` ([bs, L] bool, the ``code`` scope) replaces the
-        vocabulary's name-like tokens as the tokens that may be long-range."""
+        reports the plain loss); ``code_names`` ([bs, L] bool, the ``code`` scope) narrows the
+        tokens that may be long-range from the vocabulary's name-like ones to those of them that
+        are part of a name in code."""
         cfg = self.cfg
         gen = noise_generator(self.device, seed, step)
         noisy, masked, t = sample_noise(
