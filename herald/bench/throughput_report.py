@@ -20,7 +20,7 @@ from herald.bench import throughput_plan as plan
 from herald.bench import throughput_plots as tplots
 from herald.bench.throughput_plan import CAP_H100, K16, K32, LLADA, SDAR, VARIANTS
 from herald.bench.throughput_plan import ctx_label as _ctx
-from herald.bench.throughput_run import host_memory, refine_batch, smaller_host_dram_ends
+from herald.bench.throughput_run import host_memory, refine_todo, smaller_host_dram_ends
 
 TARGET_RATIO = 2.28  # HERALD / Dense, LLaDA2.0-mini 32K, 80 GB cap (the paper's Table II)
 CEILING_NAMES = ceil.NAMES
@@ -161,12 +161,10 @@ def planned_batches(model: str, ctx: int, variant: str) -> tuple[int, ...]:
 def pending(recs: dict[int, dict[str, Any]], planned: tuple[int, ...]) -> list[int]:
     """Planned batches not measured yet. A sweep that ended (GPU OOM or DRAM at some batch) has
     none past its end; a planned dense sweep whose GPU OOM end is still more than 8 batches past
-    its last fit has the next narrowing batch (:func:`herald.bench.throughput_run.refine_batch`,
+    its last fit has the next narrowing batch (:func:`herald.bench.throughput_run.refine_todo`,
     as the benchmark runs it)."""
     if any(r["status"] != "ok" for r in recs.values()):
-        dense = all(not VARIANTS[r["variant"]].offload for r in recs.values())
-        mid = refine_batch(recs) if planned and dense else None
-        return [] if mid is None else [mid]
+        return refine_todo(recs, next(iter(recs.values()))["variant"], bool(planned))
     return [b for b in planned if b not in recs]
 
 

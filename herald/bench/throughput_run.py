@@ -154,6 +154,16 @@ def refine_batch(recs: dict[int, dict[str, Any]], grain: int = REFINE_GRAIN) -> 
     return mid if lo < mid < fails[0] and mid not in recs else None
 
 
+def refine_todo(recs: dict[int, dict[str, Any]], variant: str, planned: bool) -> list[int]:
+    """[the next narrowing batch] of a planned dense sweep that ended on a GPU OOM more than
+    ``REFINE_GRAIN`` past its last fit (:func:`refine_batch`), else [] (offloading sweeps and
+    custom ones are not narrowed). The runner measures it; the report lists it as pending."""
+    if not planned or VARIANTS[variant].offload:
+        return []
+    mid = refine_batch(recs)
+    return [] if mid is None else [mid]
+
+
 def peak(recs: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     ok = [r for r in recs.values() if r["status"] == "ok"]
     return max(ok, key=lambda r: r["decode_tokens_per_s"]) if ok else None
@@ -214,9 +224,8 @@ class Runner:
             batches = (top["batch"] if top else sweep.peak_default or 1,)
         recs = point_records(self.records, sweep, self.setting(sweep), self.here_gib)
         todo, ended = sweep_status(recs, batches, self.args.retry_errors)
-        if not todo and ended and sweep.batches and not VARIANTS[sweep.variant].offload:
-            mid = refine_batch(recs)
-            todo = [] if mid is None else [mid]
+        if not todo and ended:
+            todo = refine_todo(recs, sweep.variant, bool(sweep.batches))
         return ("run", todo) if todo else ("done", [])
 
     def planned(self, ref: Sweep) -> Sweep:

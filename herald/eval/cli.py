@@ -396,11 +396,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     def examples_for(task: str, context: int) -> list[Any]:
         if (task, context) not in examples:
-            eff = context  # checked against the model's positions up front
             t0 = time.perf_counter()
             drop = excluded.get(task, set())
             n_build = args.num_examples + len(drop)  # enough that n remain after the exclusion
-            exs = build_examples(task, corpus, tokenizer, eff, n_build, tcfg)
+            exs = build_examples(task, corpus, tokenizer, context, n_build, tcfg)
             if drop:
                 n_built = len(exs)
                 exs = [e for e in exs if (e.meta["file"], e.target) not in drop]
@@ -411,7 +410,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 )
             exs = exs[: args.num_examples]
             if not exs:
-                raise ValueError(f"no {task} example could be built at context {eff}")
+                raise ValueError(f"no {task} example could be built at context {context}")
             if len(exs) < args.num_examples:
                 print(
                     f"NOTE: {task} at {context}: asked for {args.num_examples} examples, the "
@@ -421,7 +420,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             sel = {
                 "task": task,
                 "context": context,
-                "effective_context": eff,
+                "effective_context": context,  # checked against the model up front
                 "selection_sha256": selection_hash(exs),
                 "corpus": corpus.describe(),
                 "tokenizer": {"sha256": fingerprint(tokenizer), "model": str(args.model)},

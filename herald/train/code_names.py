@@ -19,6 +19,8 @@ import tokenize
 import numpy as np
 import tokenizers
 
+from herald.train.corpus import fork_map
+
 
 def name_spans(text: str) -> list[tuple[int, int]]:
     """Byte ranges ``[start, end)`` (UTF-8 offsets into ``text``) of the non-keyword ``NAME``
@@ -26,7 +28,7 @@ def name_spans(text: str) -> list[tuple[int, int]]:
     f-string's braces; they count as string text here, the same on every version). Source that
     does not tokenize to the end (Python 2 code, unbalanced brackets) keeps the names found
     before the error."""
-    lines = io.StringIO(text).readlines()  # the lines tokenize reads: split at "\n" only
+    lines = io.StringIO(text).readlines()  # split at "\n" only, as tokenize expects
     starts = [0]
     for line in lines:
         starts.append(starts[-1] + len(line.encode()))
@@ -36,7 +38,7 @@ def name_spans(text: str) -> list[tuple[int, int]]:
     fstring_end = getattr(tokenize, "FSTRING_END", None)
     depth = 0  # inside an f-string: its names count as string text, as on Python 3.11
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        for tok in tokenize.generate_tokens(iter(lines).__next__):  # the same lines
             if fstring_start is not None and tok.type == fstring_start:
                 depth += 1
             elif fstring_end is not None and tok.type == fstring_end:
@@ -71,11 +73,12 @@ def code_name_mask(text: str, ids: np.ndarray, byte_lengths: np.ndarray) -> np.n
     """[len(ids)] bool: the tokens of ``text``'s encoding ``ids`` whose bytes overlap a name in
     code (:func:`name_spans`). All False when the ids do not cover exactly the document's bytes
     (a tokenizer that is not byte-level)."""
-    ends = np.cumsum(byte_lengths[np.asarray(ids, dtype=np.int64)])
+    lengths = byte_lengths[np.asarray(ids, dtype=np.int64)]
+    ends = np.cumsum(lengths)
     mask = np.zeros(len(ids), dtype=bool)
     if len(ids) == 0 or int(ends[-1]) != len(text.encode()):
         return mask
-    begins = ends - byte_lengths[np.asarray(ids, dtype=np.int64)]
+    begins = ends - lengths
     spans = name_spans(text)
     if not spans:
         return mask
@@ -94,17 +97,26 @@ def code_name_mask(text: str, ids: np.ndarray, byte_lengths: np.ndarray) -> np.n
 _SHARED: dict[str, object] = {}
 
 
-def _doc_token_ranges(docs: list[str], stream: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[len(docs), 2] token index ranges ``[start, end)`` of each document in ``stream`` (the
-    documents encoded in order; special ids between them count 0 bytes). Token ``i`` ends at
-    byte ``cum[i]``; document ``k`` holds the tokens ending in ``(D[k-1], D[k]]``, ``D`` the
-    running sum of the documents' byte lengths (an empty document holds none)."""
+def _doc_token_ranges(doc_bytes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[len(docs), 2] token index ranges ``[start, end)`` of each document in the stream (the
+    documents encoded in order; ``lengths``: each stream token's bytes, special ids 0). Token
+    ``i`` ends at byte ``cum[i]``; document ``k`` holds the tokens ending in ``(D[k-1], D[k]]``,
+    ``D`` the running sum of ``doc_bytes`` (an empty document holds none).
+
+    Raises:
+        ValueError: the documents do not cover the stream's bytes, or a document's end is not
+            a token's end (another tokenizer or order).
+    """
     cum = np.cumsum(lengths)
-    doc_bytes = np.array([len(d.encode()) for d in docs], dtype=np.int64)
     hi = np.cumsum(doc_bytes)
+    if (int(cum[-1]) if cum.size else 0) != (int(hi[-1]) if hi.size else 0):
+        raise ValueError("the documents do not cover the token stream's bytes")
     lo = hi - doc_bytes
     starts = np.searchsorted(cum, lo, side="right")
     ends = np.where(doc_bytes > 0, np.searchsorted(cum, hi, side="left") + 1, starts)
+    full = doc_bytes > 0
+    if np.any(cum[ends[full] - 1] != hi[full]):
+        raise ValueError("the documents' boundaries do not fall on token boundaries of the stream")
     return np.stack([starts, ends], axis=1)
 
 
@@ -136,33 +148,18 @@ def code_name_stream(
     Raises:
         ValueError: the documents do not cover the stream's bytes (another tokenizer or order).
     """
-    import concurrent.futures as cf
-    import multiprocessing
-    import sys
-
     per_id = token_byte_lengths(backend)
     lengths = per_id[np.asarray(stream, dtype=np.int64)]
     for s in special_ids:
         lengths[np.asarray(stream) == s] = 0
-    if int(lengths.sum()) != sum(len(d.encode()) for d in docs):
-        raise ValueError("the documents do not cover the token stream's bytes")
-    ranges = _doc_token_ranges(docs, stream, lengths)
-    cum = np.cumsum(lengths)
-    doc_end = np.cumsum([len(d.encode()) for d in docs])
-    full = ranges[:, 1] > ranges[:, 0]
-    if np.any(cum[ranges[full, 1] - 1] != doc_end[full]):
-        raise ValueError("the documents' boundaries do not fall on token boundaries of the stream")
+    doc_bytes = np.array([len(d.encode()) for d in docs], dtype=np.int64)
+    ranges = _doc_token_ranges(doc_bytes, lengths)
     _SHARED.update(docs=docs, stream=np.asarray(stream), ranges=ranges, lengths=per_id)
     step = max(1, len(docs) // (8 * max(1, workers)))
     jobs = [(i, min(i + step, len(docs))) for i in range(0, len(docs), step)]
     out = np.zeros(stream.size, dtype=np.uint8)
     try:
-        if workers <= 1 or sys.platform != "linux" or len(jobs) < 2:
-            results = [_mask_range(j) for j in jobs]
-        else:
-            ctx = multiprocessing.get_context("fork")
-            with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                results = list(pool.map(_mask_range, jobs))
+        results = fork_map(_mask_range, jobs, workers, min_items=2, chunksize=1)
     finally:
         _SHARED.clear()
     for start, m in results:

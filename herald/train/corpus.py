@@ -48,12 +48,15 @@ import site
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from herald.pyimports import imported_modules, module_name
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 MAX_FILE_BYTES = 256 * 1024
 MAX_LINE_CHARS = 2000
@@ -252,13 +255,19 @@ def _read_and_check(path: Path) -> tuple[str | None, str]:
     return text, reason
 
 
-def _map(fn: Any, items: list[Path], workers: int) -> list[tuple[str | None, str]]:
-    if workers <= 1 or len(items) < 64 or sys.platform != "linux":
+def fork_map(
+    fn: Callable[[T], R], items: list[T], workers: int, *, min_items: int = 64, chunksize: int = 32
+) -> list[R]:
+    """``[fn(x) for x in items]``, in ``workers`` forked processes on Linux when there are at
+    least ``min_items`` items (else in this process). Forked, so the workers see this process's
+    module globals (``_STDLIB_LINES``, :mod:`herald.train.code_names`'s shared stream) without
+    pickling them; call before CUDA is initialised."""
+    if workers <= 1 or len(items) < min_items or sys.platform != "linux":
         return [fn(p) for p in items]
-    # NOTE: fork (not spawn) so the workers share _STDLIB_LINES; call before CUDA is initialised.
+    # NOTE: fork (not spawn) so the workers share the globals; call before CUDA is initialised.
     ctx = multiprocessing.get_context("fork")
     with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        return list(pool.map(fn, items, chunksize=32))
+        return list(pool.map(fn, items, chunksize=chunksize))
 
 
 def scan(
@@ -286,7 +295,7 @@ def scan(
         lines |= long_lines(f.text)
     _STDLIB_LINES = frozenset(lines)
     try:
-        results = _map(_read_and_check, [p for _, p in candidates], workers)
+        results = fork_map(_read_and_check, [p for _, p in candidates], workers)
     finally:
         _STDLIB_LINES = frozenset()
     skipped: Counter[str] = Counter()

@@ -45,47 +45,53 @@ def stream_cache_key(*parts: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _open_array(path: Path, dtype: type, n: int) -> np.ndarray | None:
+    """``path`` as a read-only memmap of ``n`` ``dtype`` items, or None if absent or of
+    another size."""
+    if not path.is_file() or path.stat().st_size != n * np.dtype(dtype).itemsize:
+        return None
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+
+def _write_array(path: Path, array: np.ndarray, dtype: type) -> np.ndarray:
+    """Write ``array`` as ``dtype`` to ``path`` (atomically: a temporary file, then a rename)
+    and return it as a read-only memmap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    np.ascontiguousarray(array, dtype=dtype).tofile(tmp)
+    os.replace(tmp, path)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(int(array.size),))
+
+
 def load_cached_stream(work_dir: Path, key: str) -> np.ndarray | None:
     """The cached uint16 stream for ``key`` as a read-only memmap, or None if absent/corrupt."""
     data, meta = work_dir / f"stream-{key}.u16", work_dir / f"stream-{key}.json"
-    if not (data.is_file() and meta.is_file()):
+    if not meta.is_file():
         return None
     try:
         n = int(json.loads(meta.read_text())["num_tokens"])
     except (ValueError, KeyError, json.JSONDecodeError):
         return None
-    if data.stat().st_size != 2 * n:
-        return None
-    return np.memmap(data, dtype=np.uint16, mode="r", shape=(n,))
+    return _open_array(data, np.uint16, n)
 
 
 def save_stream(work_dir: Path, key: str, stream: np.ndarray) -> np.ndarray:
     """Write ``stream`` (uint16) under ``work_dir`` and return it as a read-only memmap."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    data, meta = work_dir / f"stream-{key}.u16", work_dir / f"stream-{key}.json"
-    tmp = data.with_suffix(".tmp")
-    np.ascontiguousarray(stream, dtype=np.uint16).tofile(tmp)
-    os.replace(tmp, data)
-    meta.write_text(json.dumps({"num_tokens": int(stream.size)}) + "\n")
-    return np.memmap(data, dtype=np.uint16, mode="r", shape=(int(stream.size),))
+    out = _write_array(work_dir / f"stream-{key}.u16", stream, np.uint16)
+    (work_dir / f"stream-{key}.json").write_text(
+        json.dumps({"num_tokens": int(stream.size)}) + "\n"
+    )
+    return out
 
 
 def load_cached_names(work_dir: Path, key: str, size: int) -> np.ndarray | None:
     """The cached code-name mask of stream ``key`` (read-only uint8 memmap), or None."""
-    path = work_dir / f"stream-{key}.{NAMES_FORMAT}.u8"
-    if not path.is_file() or path.stat().st_size != size:
-        return None
-    return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    return _open_array(work_dir / f"stream-{key}.{NAMES_FORMAT}.u8", np.uint8, size)
 
 
 def save_names(work_dir: Path, key: str, names: np.ndarray) -> np.ndarray:
     """Write the code-name mask of stream ``key`` and return it as a read-only memmap."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    path = work_dir / f"stream-{key}.{NAMES_FORMAT}.u8"
-    tmp = path.with_suffix(".tmp")
-    np.ascontiguousarray(names, dtype=np.uint8).tofile(tmp)
-    os.replace(tmp, path)
-    return np.memmap(path, dtype=np.uint8, mode="r", shape=(int(names.size),))
+    return _write_array(work_dir / f"stream-{key}.{NAMES_FORMAT}.u8", names, np.uint8)
 
 
 class WindowSampler:

@@ -231,9 +231,9 @@ def long_range_tokens(
 
 def name_token_mask(decode: Callable[[list[int]], str], vocab_size: int) -> torch.Tensor:
     """[vocab_size] bool (CPU): the tokens that can be part of a name, i.e. whose text holds a
-    letter and is not, stripped of spaces and ``._(``, a Python keyword, ``self`` or a builtin
-    constant. The long-range emphasis counts these only: a repeated ``if`` or ``:\n`` is syntax,
-    not something to look up far back.
+    letter and is not, stripped of spaces and ``._(``, a Python keyword (``True``, ``None`` and
+    ``False`` among them), ``self`` or ``cls``. The long-range emphasis counts these only: a
+    repeated ``if`` or ``:\n`` is syntax, not something to look up far back.
 
     Args:
         decode: ids -> text (e.g. :meth:`herald.tokenizer.Tokenizer.decode`).
