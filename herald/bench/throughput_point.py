@@ -34,7 +34,7 @@ from herald.engine.dense import DenseEngine
 from herald.engine.offload import OffloadEngine
 from herald.engine.request import Request
 from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
-from herald.kv.dense_cache import DEFAULT_KV_PAD
+from herald.kv.dense_cache import DEFAULT_KV_PAD, padded_kv_len
 from herald.kv.selection import gather_selected, select_topk
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -150,13 +150,27 @@ def kv_geometry(config: ModelConfig, num_dense: int) -> KVGeometry:
     return KVGeometry(config.num_layers - num_dense, config.num_kv_heads, config.head_dim)
 
 
-def _staging_bytes(cfg: OffloadConfig, config: ModelConfig, batch: int, seq: int) -> int:
-    """Pinned host staging an offloading engine allocates: the retrieval worker's, per offloaded
-    layer [2, slots, Hkv, k_cap, D], and the block hand-off's, [L', 2, slots, Hkv, B, D]."""
+def _staging_bytes(
+    cfg: OffloadConfig, config: ModelConfig, batch: int, seq: int, kv_pad: int
+) -> int:
+    """Pinned host staging (bytes, bf16) an offloading engine allocates for ``batch`` requests
+    of ``seq`` tokens: the block hand-off's, [L', 2, slots, Hkv, B, D]; with the representative
+    query, the retrieval worker's, one [2, slots, Hkv, capacity, D] per offloaded layer (the
+    sparse pool's capacity, k_cap + 3B padded to ``kv_pad``); with CPU-gathered rows (InfiniGen,
+    MAGE with CPU selection), one layer's, [2, slots, Hkv, <= k_cap + 3B, D], reused layer after
+    layer (``OffloadEngine._gather_and_write``); MAGE with GPU selection fetches whole pages
+    without staging. An upper bound; a test checks it against what each engine pins."""
     b = config.block_size
-    k_cap = math.ceil(cfg.kv_budget * (-(-seq // b) * b)) + 3 * b
+    k_cap = math.ceil(cfg.kv_budget * (-(-seq // b) * b))
     layers = config.num_layers - min(cfg.num_dense_layers, config.num_layers)
-    return layers * 2 * batch * config.num_kv_heads * (k_cap + b) * config.head_dim * 2
+    if cfg.selection_queries == "representative":
+        gathered = layers * padded_kv_len(k_cap + 3 * b, kv_pad)
+    elif cfg.selection_queries == "block" and cfg.selection_device == "gpu":
+        gathered = 0
+    else:
+        gathered = k_cap + 3 * b
+    per_row = 2 * batch * config.num_kv_heads * config.head_dim * 2  # K and V, bf16
+    return (layers * b + gathered) * per_row
 
 
 def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, OffloadConfig | None]:
@@ -183,7 +197,7 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
             f"({ps.cpu_pool.nbytes / _GIB:.1f} GiB), batch {batch} needs {need}"
         )
     avail = mem_available_gib()
-    staging = _staging_bytes(cfg, ps.config, batch, seq) / _GIB
+    staging = _staging_bytes(cfg, ps.config, batch, seq, ps.kv_pad) / _GIB
     if avail is not None and staging + ps.dram_reserve_gib > avail:
         raise DramBoundError(
             f"pinned staging {staging:.1f} GiB + reserve {ps.dram_reserve_gib:.0f} GiB > "

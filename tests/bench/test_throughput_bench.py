@@ -129,6 +129,35 @@ def test_cpu_pool_bound_is_recorded_as_dram(tmp_path):
     assert "CPU pool holds 13 pages" in _records(tmp_path)[1]["error"]
 
 
+@pytest.mark.parametrize(
+    "variant", ["infinigen", "mage", "mage-cpu", "mage-cpu-rep", "herald", "herald-selected"]
+)
+def test_staging_estimate_bounds_what_the_engine_pins(tmp_path, monkeypatch, variant):
+    # The DRAM check refuses a point whose pinned staging does not fit. It once charged every
+    # mode the representative query's per-layer buffers (L' times InfiniGen's one layer), which
+    # ended InfiniGen's sweeps on DRAM that was there. The estimate must bound the engine's
+    # buffers after a decoded block, within 2x (the gathered rows' k_max is not known up front).
+    real, seen = throughput_point.run_blocks, []
+
+    def measure(engine, reqs, ps, steps):
+        out = real(engine, reqs, ps, steps)
+        bufs = [engine._handoff, *engine._stagings.values()]
+        bufs += engine.worker._staging if engine.worker is not None else []
+        pinned = sum(st.numel * st.buf.element_size() for st in bufs)
+        cfg, n, seq = engine.offload, engine.max_batch_size, engine.max_seq_len
+        est = throughput_point._staging_bytes(cfg, ps.config, n, seq, ps.kv_pad)
+        est = est * engine.cpu_pool.dtype.itemsize // 2  # the estimate assumes bf16
+        seen.append((pinned, est))
+        return out
+
+    monkeypatch.setattr(throughput_point, "run_blocks", measure)
+    argv = ["--model", "tiny-llada2", "--context", "2048", "--mode", variant, "--batches", "2",
+            "--out", str(tmp_path), *FAST]  # fmt: skip
+    assert throughput.main(argv) == 0
+    ((pinned, est),) = seen
+    assert pinned <= est <= 2 * pinned, (pinned, est)
+
+
 def test_time_limit_stops_and_a_rerun_resumes(tmp_path, capsys):
     argv = ["--model", "tiny-sdar", "--context", "256", "--mode", "herald", "--batches", "1",
             "--out", str(tmp_path), *FAST]  # fmt: skip
