@@ -107,8 +107,20 @@ def test_report_from_fixture(tmp_path, capsys):
     write_fixture(tmp_path)
     stale = tmp_path / "fig12_retired-model_cap80.png"  # a plot the data no longer gives
     stale.write_bytes(b"old")
+    jsonl = tmp_path / throughput.JSONL_NAME
+    msg = "DramBoundError: CPU pool holds 1000 pages (4.0 GiB), batch 80 needs 1040"
+    lines = jsonl.read_text().splitlines()
+    ends = [i for i, x in enumerate(lines) if '"batch": 80,' in x and "dram: did not fit" in x]
+    assert len(ends) == 1  # LLaDA 32K HERALD's DRAM end: now with the engine's message
+    lines[ends[0]] = lines[ends[0]].replace("dram: did not fit", msg)
+    jsonl.write_text("\n".join(lines) + "\n")
     assert throughput.main(["--report", str(tmp_path)]) == 0
     md = (tmp_path / "README.md").read_text()
+    # the DRAM-bounded batch is stated: 1000 pages // 13 pages per request
+    assert (
+        "- llada2-mini 32K: at most **76 requests** (pool 4.0 GiB = 1000 pages; host: 16 "
+        "cores, 125 GiB)" in md
+    )
     # Table II: peaks, ratios against Dense, the paper's numbers, why each sweep ended
     assert "| 32K | HERALD 5.0% | 64 | 2500 (2.00x) | 80 / 2665 | DRAM at bs 80 |" in md
     assert "| 32K | Dense | 24 | 1250 (1.00x) | 16 / 1168 | GPU OOM at bs 32 |" in md
@@ -132,10 +144,10 @@ def test_report_from_fixture(tmp_path, capsys):
     row = "| 16K | MAGE-Offload (GPU selection) 2.5% | 32 | 700 (0.37x) | 96 / 749 |"
     assert f"{row} **incomplete**: bs 64, 96, 128, 160 pending |" in md
     # a point from another host shape says so; the `selected` output mode has its own target line
-    assert "**incomplete**: bs 16, 24, 32 pending (on 32 cores, 251.8 GiB) |" in md
+    assert "**incomplete**: bs 16, 24, 32 pending (on 32 cores, 252 GiB) |" in md
     # a DRAM end found on a smaller host does not end a sweep measured on a bigger one
-    aside = "**incomplete**: bs 32, 48, 64 pending (bs 32: DRAM on 16 cores, 125.0 GiB)"
-    assert f"| 16 | 300 | 64 / 230 | {aside} (on 32 cores, 251.8 GiB) |" in md
+    aside = "**incomplete**: bs 32, 48, 64 pending (bs 32: DRAM on 16 cores, 125 GiB)"
+    assert f"| 16 | 300 | 64 / 230 | {aside} (on 32 cores, 252 GiB) |" in md
     assert "HERALD 500 vs mage 300 tok/s: **pending (sweep incomplete)**" in md
     assert "| sdar-8b-chat | 16384 | mage | 0.025 | 80.0 | 20 | 32 | dram |" in md  # still listed
     assert "HERALD (`selected` kernel output, our step beyond the paper) / Dense = " in md
@@ -173,17 +185,27 @@ def test_report_compares_points_measured_again(tmp_path):
         {**_point(LLADA, K32, "herald", 0.05, 16, 100.0), "device": "cpu"},  # CPU: ignored
         {**_point(LLADA, K32, "herald", 0.05, 32, 100.0), "decode_tokens_per_s": 0.0},  # ignored
         _point(LLADA, K32, "dense", None, 32, 1300.0),  # now "oom": listed as not fitting
+        {**_point(SDAR, K32, "dense", None, 4, 400.0), "run_id": "r2"},  # now 300, another host
     ]
     (sup / "remeasured_in_one_run.jsonl").write_text("\n".join(json.dumps(r) for r in again))
     fixed = [_point(LLADA, K32, "dense", None, 24, 100.0)]  # superseded by a fix: ignored
     (sup / "some_fix.jsonl").write_text(json.dumps(fixed[0]))
     assert throughput.main(["--report", str(tmp_path)]) == 0
     md = (tmp_path / "README.md").read_text()
-    assert "2 configurations of `superseded/remeasured_in_one_run.jsonl` were measured again" in md
+    # a pair from two hosts is the host's difference too: listed apart, not counted as noise
+    assert (
+        "1 configurations of `superseded/remeasured_in_one_run.jsonl` were measured again on "
+        "another host" in md
+    )
+    assert "| 32 cores, 252 GiB | 16 cores, 125 GiB | dense | 1 | -25.0% | -25.0% to -25.0% |" in md
+    assert (
+        "2 configurations of `superseded/remeasured_in_one_run.jsonl` were measured again by "
+        "the runs above on the same host" in md
+    )
     assert "differ by 25.0% (median of the absolute differences), 2 by 10% or more" in md
     assert "| dense | 2 | +25.0% | 25.0% | +40.0% |" in md  # per mode
     assert "Configurations that differ by 20% or more:" in md
-    assert "| llada2-mini | 32K | dense | 80.0 | 20 | 32 | 1300 | oom |" in md
+    assert "| llada2-mini | 32K | dense | 80.0 | 20 | 32 | 1300 | oom | same |" in md
     assert "1 configuration(s) that ran before did not fit when measured again:" in md
     assert "| llada2-mini | 32K | dense | 80.0 | 20 | 8 | 500 | 700 | +40.0% |" in md
     assert "| 16 | 1000 | 1100 |" not in md  # under 20%: counted, not listed
@@ -199,3 +221,21 @@ def test_report_refuses_a_folder_without_points(tmp_path, capsys):
     assert throughput.main(["--report", str(tmp_path)]) == 2
     assert "no measured point" in capsys.readouterr().err
     assert not (tmp_path / "README.md").exists()
+
+
+def test_a_target_met_by_less_than_the_noise_says_so(tmp_path):
+    write_fixture(tmp_path)
+    extra = [
+        _point(SDAR, K32, "dense", None, 4, 330.0, cap=None),  # 300 under the cap: +10% noise
+        _point(SDAR, K16, "mage", 0.025, 24, 470.0),  # HERALD's 500 is 6.4% above it
+    ]
+    with (tmp_path / throughput.JSONL_NAME).open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in extra))
+    assert throughput.main(["--report", str(tmp_path)]) == 0
+    md = (tmp_path / "README.md").read_text()
+    assert (
+        "- sdar-8b-chat 16K, 80 GB cap: HERALD 500 vs mage 470 tok/s: **pending (sweep "
+        "incomplete)** (by 6.4%, less than the 10.0% median difference between two "
+        "measurements of one configuration" in md
+    )
+    assert "HERALD 2500 vs mage 390 tok/s: **met**\n" in md  # far above the noise: no note
