@@ -17,7 +17,10 @@ A plan (``--plan all`` regenerates every table and figure of results/throughput/
 runnable piecewise: ``--part i/n``, filters (``--models``, ``--contexts``, ``--modes``,
 ``--caps``, ``--figures``) and ``--time-limit-s``. Every point is appended to
 ``OUT/throughput.jsonl`` as soon as it is measured; a rerun skips the points already there, so
-parts resume and merge. ``--report DIR`` rebuilds README.md and the plots from ``DIR/*.jsonl``.
+parts resume and merge. A folder holds one set of measurement settings (device, block size,
+warm-up and timed blocks, prefill, pool, threads, kv_pad, graphs): a run with other settings is
+refused (give another ``--out``), a dry run says so. ``--report DIR`` rebuilds README.md and the
+plots from ``DIR/*.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,12 +34,21 @@ import torch
 
 from herald.bench import throughput_plan as plan
 from herald.bench.throughput_plan import VARIANTS, Sweep
-from herald.bench.throughput_run import JSONL_NAME, Runner, load_records, log
-from herald.kv.dense_cache import DEFAULT_KV_PAD
+from herald.bench.throughput_run import (
+    JSONL_NAME,
+    Runner,
+    load_records,
+    log,
+    model_config,
+    pool_page_bytes,
+)
+from herald.kv.dense_cache import DEFAULT_KV_PAD, check_kv_pad
 
 __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
 
 # -- command line -------------------------------------------------------------------------------
+
+MAX_BLOCK_SIZE = 1024  # as `herald generate --block-size`
 
 
 def _csv(kind: type) -> Any:
@@ -86,7 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("measurement")
     g.add_argument("--out", type=Path, default=Path("results/throughput"))
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--block-size", type=int, default=32)
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help=f"tokens per block, a power of two up to {MAX_BLOCK_SIZE} (default %(default)s)",
+    )
     g.add_argument("--warmup-blocks", type=int, default=1)
     g.add_argument("--timed-blocks", type=int, default=2)
     g.add_argument(
@@ -150,24 +167,88 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
 
 
-def check_sweep_args(args: argparse.Namespace) -> None:
-    """One-line errors for values no sweep can run with, before any probe or model build.
+def check_measurement_args(args: argparse.Namespace) -> None:
+    """One-line errors for measurement settings no point can run with (plans and single sweeps
+    alike), before any probe or model build.
 
     Raises:
-        ValueError: a batch, context, step count or GPU cap below 1 (a context also not a
-            multiple of 32 is accepted: the engines round it up to whole blocks), or a budget
-            outside (0, 1].
+        ValueError: an unknown ``--device``; a ``--block-size`` that is not a power of two up to
+            :data:`MAX_BLOCK_SIZE` (the models' blocks are: SDAR's 4, LLaDA2.0's 32; an odd size
+            is a typo, not a setting worth measuring); warm-up or timed blocks below 1; a
+            negative ``--slow-block-s`` or ``--dram-reserve-gb``; a ``--cpu-kv-gb`` or
+            ``--selection-threads`` that is not positive; a kv_pad outside [0, 65536].
     """
-    for name, values in (("--batches", args.batches), ("--context", args.context)):
-        bad = [v for v in values or () if v < 1]
-        if bad:
-            raise ValueError(f"{name} must be >= 1, got {bad[0]}")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda (or cuda:N), got {args.device!r}")
+    bs = args.block_size
+    if not (1 <= bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0):
+        raise ValueError(
+            f"--block-size must be a power of two in [1, {MAX_BLOCK_SIZE}] (SDAR's blocks are "
+            f"4 tokens, LLaDA2.0's 32), got {bs}"
+        )
+    if args.warmup_blocks < 1 or args.timed_blocks < 1:
+        raise ValueError("--warmup-blocks and --timed-blocks must be >= 1 (block 0 holds prefill)")
+    for name, value in (("--slow-block-s", args.slow_block_s),
+                        ("--dram-reserve-gb", args.dram_reserve_gb)):  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value:g}")
+    if args.cpu_kv_gb is not None and not args.cpu_kv_gb > 0:
+        raise ValueError(
+            f"--cpu-kv-gb must be positive (GiB of CPU KV pool), got {args.cpu_kv_gb:g}"
+        )
+    if args.selection_threads is not None and args.selection_threads < 1:
+        raise ValueError(f"--selection-threads must be >= 1, got {args.selection_threads}")
+    check_kv_pad(args.kv_pad, "--kv-pad")
+    check_kv_pad(args.dense_kv_pad, "--dense-kv-pad")
+
+
+def check_cpu_pool(args: argparse.Namespace, sweeps: list[Sweep]) -> None:
+    """ValueError when ``--cpu-kv-gb`` holds not even one page of the CPU pool of a model that an
+    offloading sweep of ``sweeps`` runs on (the pool is built after the probes and the model)."""
+    if args.cpu_kv_gb is None:
+        return
+    for model in dict.fromkeys(s.model for s in sweeps if VARIANTS[s.variant].offload):
+        page = pool_page_bytes(model_config(model, args.block_size))
+        if int(args.cpu_kv_gb * 2**30) < page:
+            raise ValueError(
+                f"--cpu-kv-gb {args.cpu_kv_gb:g} is too small for even one page of "
+                f"{plan.model_name(model)}'s CPU KV pool ({args.block_size} tokens: "
+                f"{page / 2**30:.3g} GiB)"
+            )
+
+
+def check_sweep_args(args: argparse.Namespace) -> None:
+    """One-line errors for values no sweep can run with, before any probe or model build
+    (``args.block_size`` and ``args.device`` already checked: :func:`check_measurement_args`).
+
+    Raises:
+        ValueError: a batch, step count or GPU cap below 1, a context shorter than one block (a
+            context not a multiple of the block size is accepted: the engines round it up to
+            whole blocks), a budget outside (0, 1], or a GPU cap on a CPU run.
+    """
+    bad = [v for v in args.batches or () if v < 1]
+    if bad:
+        raise ValueError(f"--batches must be >= 1, got {bad[0]}")
+    bad = [v for v in args.context or () if v < max(1, args.block_size)]
+    if bad:
+        raise ValueError(
+            f"--context must be >= 1 and at least one block (--block-size {args.block_size}), "
+            f"got {bad[0]}"
+        )
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.budget is not None and not 0 < args.budget <= 1:
         raise ValueError(f"--budget is a fraction of the context in (0, 1], got {args.budget}")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb}")
+    if args.gpu_memory_gb is not None and torch.device(args.device).type != "cuda":
+        raise ValueError(
+            f"--gpu-memory-gb caps GPU memory: it needs --device cuda, not --device {args.device}"
+        )
     if args.model is not None:
         from herald.models.loader import BUNDLED_CHECKPOINTS, is_preset
         from herald.models.registry import list_presets
@@ -207,8 +288,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         log(f"wrote {write_report(args.report)}")
         return 0
-    if args.warmup_blocks < 1 or args.timed_blocks < 1:
-        raise ValueError("--warmup-blocks and --timed-blocks must be >= 1 (block 0 holds prefill)")
+    check_measurement_args(args)
     # --dry-run --device cuda on a machine without a GPU lists what a GPU run would measure.
     if args.device.startswith("cuda") and not torch.cuda.is_available() and not args.dry_run:
         raise ValueError(
@@ -225,19 +305,40 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.part:
         sweeps = plan.split_parts(sweeps, *plan.parse_part(args.part))
+    check_cpu_pool(args, sweeps)
     runner = Runner(args, sweeps, everything)
-    other = {r.get("device") for r in runner.records if r.get("kind") == "point"}
-    other -= {torch.device(args.device).type}
-    if other and not args.dry_run:
-        raise ValueError(
-            f"--out {args.out} holds {'/'.join(sorted(map(str, other)))} points; a "
-            f"{args.device} run would mix into them (the default --out is the committed GPU "
-            "results): give another --out"
+    devices = {r.get("device") for r in runner.records if r.get("kind") == "point"}
+    other = sorted(map(str, devices - {torch.device(args.device).type}))
+    clash = runner.conflicts()
+    notes = []
+    if other:
+        if not args.dry_run:
+            raise ValueError(
+                f"--out {args.out} holds {'/'.join(other)} points; a {args.device} run would mix "
+                "into them (the default --out is the committed GPU results): give another --out"
+            )
+        notes.append(
+            f"{args.out} holds {'/'.join(other)} points, which count as done only for their "
+            f"device; this dry run plans for {args.device}: add --device {other[0]} to see "
+            f"what a {other[0]} run would measure"
+        )
+    elif clash:
+        if not args.dry_run:
+            raise ValueError(
+                f"--out {args.out} holds points measured with other settings: "
+                f"{'; '.join(clash)}; one folder holds one set (its report would mix them): give "
+                "another --out, or the folder's settings"
+            )
+        notes.append(
+            f"{args.out} holds points measured with other settings ({'; '.join(clash)}): they "
+            "count as not done, and a run with these settings refuses this --out"
         )
     try:
         rc = runner.run()
     finally:
         runner.free_model()
+    for note in notes:
+        log(f"note: {note}")
     if runner.measured:
         try:
             log(f"wrote {write_report(args.out)}")

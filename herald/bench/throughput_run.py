@@ -4,10 +4,12 @@
 (:func:`herald.bench.throughput_point.measure_point`), appending one JSON line per point to
 ``OUT/throughput.jsonl`` the moment it is measured, after a ``run`` line (command, machine) and a
 ``machine`` line (PCIe and DRAM bandwidth probes). A point already recorded with the same
-settings is skipped, so a run cut short (time limit, a killed command) resumes where it stopped,
-and parts of a plan run in separate commands, or on separate machines, merge by putting their
-JSONL files into one folder. The model and the CPU pool are built once per model and reused by
-every point; the GPU-memory cap is switched between sweeps.
+settings (:func:`run_setting`: every flag that changes what a point measures) is skipped, so a
+run cut short (time limit, a killed command) resumes where it stopped, and parts of a plan run in
+separate commands, or on separate machines, merge by putting their JSONL files into one folder. A
+folder holds one set of settings: a run whose settings differ from its points' is refused
+(:meth:`Runner.conflicts`), so its report never mixes them. The model and the CPU pool are built
+once per model and reused by every point; the GPU-memory cap is switched between sweeps.
 """
 
 from __future__ import annotations
@@ -99,19 +101,122 @@ def smaller_host_dram_ends(
     return out
 
 
+# -- settings: what a point measures besides its sweep -----------------------------------------
+
+# Each setting that changes what a point measures, and the flag that sets it (``kv_pad`` is
+# ``--dense-kv-pad``'s on a dense point). ``--dram-reserve-gb`` is not one: like the host's DRAM,
+# it only bounds the automatic pool (a smaller host's DRAM end is handled apart, see
+# :func:`smaller_host_dram_ends`); nor are the time limit and the probes' sizes.
+SETTING_FLAGS = {
+    "device": "--device",
+    "block_size": "--block-size",
+    "warmup_blocks": "--warmup-blocks",
+    "timed_blocks": "--timed-blocks",
+    "slow_block_s": "--slow-block-s",
+    "prefill": "--real-prefill",
+    "kv_pad": "--kv-pad",
+    "offload_cuda_graph": "--offload-cuda-graph",
+    "cpu_kv_gb": "--cpu-kv-gb",
+    "selection_threads": "--selection-threads",
+}
+# Read from the point's run record (``settings``), not from the point: a point's own
+# ``timed_blocks`` is how many blocks it timed (one after a slow warm-up), not the flag's value.
+RUN_SETTINGS = ("timed_blocks", "slow_block_s", "cpu_kv_gb")
+# The settings a point record carries from :meth:`Runner.setting`. It has block_size,
+# warmup_blocks and prefill under those names anyway, and an offloading point that ran has the
+# selection_threads it ran with (from measure_point); the rest are in its run's ``settings``.
+POINT_SETTINGS = ("device", "kv_pad", "offload_cuda_graph")
+# The values of the runs that did not record a setting (the only ones there were then).
+UNRECORDED: dict[str, Any] = {
+    "block_size": 32,
+    "warmup_blocks": 1,
+    "timed_blocks": 2,
+    "slow_block_s": 15.0,
+    "prefill": "synthetic",
+    "cpu_kv_gb": None,
+}
+
+
+def run_setting(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
+    """The settings this command measures a dense (``offload`` False) or offloading point with,
+    as :func:`record_setting` reads them back. ``--selection-threads`` counts only when given:
+    left out, the kernel takes the host's cores, and the host is not a setting."""
+    s: dict[str, Any] = {
+        "device": torch.device(args.device).type,
+        "block_size": args.block_size,
+        "warmup_blocks": args.warmup_blocks,
+        "timed_blocks": args.timed_blocks,
+        "slow_block_s": args.slow_block_s,
+        "prefill": "real" if args.real_prefill else "synthetic",
+    }
+    if offload:
+        s["offload_cuda_graph"] = args.offload_cuda_graph
+        s["kv_pad"] = args.kv_pad
+        s["cpu_kv_gb"] = args.cpu_kv_gb
+        if args.selection_threads is not None:
+            s["selection_threads"] = args.selection_threads
+    else:
+        s["kv_pad"] = args.dense_kv_pad
+    return s
+
+
+def run_settings(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """run_id -> the ``settings`` of its run record."""
+    return {
+        r["run_id"]: r.get("settings") or {}
+        for r in records
+        if r.get("kind") == "run" and "run_id" in r
+    }
+
+
+def record_setting(rec: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The settings point ``rec`` was measured with (the keys of :data:`SETTING_FLAGS`): its own
+    fields, those of :data:`RUN_SETTINGS` from its run's ``settings`` (``runs``:
+    :func:`run_settings`), :data:`UNRECORDED` where neither has one (None for the rest). No
+    ``selection_threads`` where the point has none (a failed point, a dense one): any matches."""
+    run = runs.get(rec.get("run_id", ""), {})
+    out = {}
+    for k in SETTING_FLAGS:
+        src = run if k in RUN_SETTINGS else rec
+        out[k] = src[k] if k in src else UNRECORDED.get(k)
+    if "selection_threads" not in rec:
+        del out["selection_threads"]
+    return out
+
+
+def setting_differs(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The settings of ``want`` that ``have`` (:func:`record_setting`) holds another value of."""
+    return [k for k, v in want.items() if k in have and have[k] != v]
+
+
+def _show(setting: str, value: Any) -> str:
+    """A setting's value as its flag takes it (the prefill and switches as on / off)."""
+    if setting == "prefill":
+        value = value == "real"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def is_offload_record(rec: dict[str, Any]) -> bool:
+    v = VARIANTS.get(rec.get("variant", ""))
+    return v.offload if v is not None else rec.get("mode", "dense") != "dense"
+
+
 def point_records(
     records: list[dict[str, Any]],
     sweep: Sweep,
     setting: dict[str, Any] | None = None,
     here_gib: float | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """The latest record per batch of ``sweep`` (matching ``setting``'s fields if given), less
-    the DRAM ends of smaller hosts (:func:`smaller_host_dram_ends`)."""
+    """The latest record per batch of ``sweep`` (measured with ``setting``, :func:`run_setting`,
+    if given), less the DRAM ends of smaller hosts (:func:`smaller_host_dram_ends`)."""
     out: dict[int, dict[str, Any]] = {}
+    runs = run_settings(records) if setting else {}
     for r in records:
         if r.get("kind") != "point" or plan.record_sweep_key(r) != sweep.key:
             continue
-        if setting and any(r.get(k) != v for k, v in setting.items()):
+        if setting and setting_differs(record_setting(r, runs), setting):
             continue
         out[r["batch"]] = r
     for b in smaller_host_dram_ends(out, host_memory(records), here_gib):
@@ -195,15 +300,31 @@ class Runner:
 
         self.here_gib: float | None = machine_info().get("mem_total_gib")
 
-    # settings a resumed record must share to count as done
     def setting(self, sweep: Sweep) -> dict[str, Any]:
-        s: dict[str, Any] = {"device": self.device.type}
-        if VARIANTS[sweep.variant].offload:
-            s["offload_cuda_graph"] = self.args.offload_cuda_graph
-            s["kv_pad"] = self.args.kv_pad
-        else:
-            s["kv_pad"] = self.args.dense_kv_pad
-        return s
+        """The settings a recorded point of ``sweep`` must share to count as done."""
+        return run_setting(self.args, VARIANTS[sweep.variant].offload)
+
+    def conflicts(self) -> list[str]:
+        """The settings in which the folder's points differ from this run's, device aside
+        (:func:`herald.bench.throughput.run` guards it apart), one text per flag, e.g.
+        ``"--block-size 32 (this run: 16)"``; [] when every point matches."""
+        runs = run_settings(self.records)
+        seen: dict[str, tuple[set[str], str]] = {}
+        for r in self.records:
+            if r.get("kind") != "point":
+                continue
+            offload = is_offload_record(r)
+            want = run_setting(self.args, offload)
+            have = record_setting(r, runs)
+            for k in setting_differs(have, want):
+                if k == "device":
+                    continue
+                flag = "--dense-kv-pad" if k == "kv_pad" and not offload else SETTING_FLAGS[k]
+                seen.setdefault(flag, (set(), _show(k, want[k])))[0].add(_show(k, have[k]))
+        return [
+            f"{flag} {'/'.join(sorted(vals))} (this run: {mine})"
+            for flag, (vals, mine) in seen.items()
+        ]
 
     def plan_sweep(self, sweep: Sweep) -> tuple[str, list[int]]:
         """("run", batches to measure) | ("defer", []) | ("reuse", []) | ("done", [])."""
@@ -286,8 +407,7 @@ class Runner:
              for s, bs in pending if s.model == self.model_name and VARIANTS[s.variant].offload),
             default=1,
         )  # fmt: skip
-        layers = cfg.num_layers - min(2, cfg.num_layers)
-        per_page = layers * 2 * cfg.num_kv_heads * cfg.block_size * cfg.head_dim * 2
+        per_page = pool_page_bytes(cfg)
         if self.args.cpu_kv_gb is not None:
             pages = int(self.args.cpu_kv_gb * _GIB) // per_page
         else:
@@ -418,7 +538,7 @@ class Runner:
             "prefill": "real" if self.args.real_prefill else "synthetic",
             "kv_geometry": vars(tp.kv_geometry(self.config, 2)),
             "cpu_pool_gib": self.pool.nbytes / _GIB if var.offload and self.pool else None,
-            **self.setting(sweep),
+            **{k: v for k, v in self.setting(sweep).items() if k in POINT_SETTINGS},
         }  # fmt: skip
         try:
             rec.update(tp.measure_point(ps, sweep, batch))
@@ -438,6 +558,27 @@ class Runner:
         self.last_wall[sweep.key] = (batch, rec["wall_seconds"])
         log(describe_point(sweep, rec))
         return str(rec["status"])
+
+
+def pool_page_bytes(config: Any) -> int:
+    """Bytes of one CPU pool page (one block of K and V, bf16) over the offloaded layers (all
+    but the first two, which the engines keep dense)."""
+    layers = config.num_layers - min(2, config.num_layers)
+    return int(layers * 2 * config.num_kv_heads * config.block_size * config.head_dim * 2)
+
+
+def model_config(model: str, block_size: int) -> Any:
+    """The :class:`~herald.models.config.ModelConfig` ``model`` (a preset, bundled checkpoint or
+    checkpoint directory, as :func:`herald.models.loader.load_model` resolves it) has at
+    ``block_size``, without building the model."""
+    from herald.models.config import ModelConfig
+    from herald.models.loader import bundled_checkpoint
+    from herald.models.registry import get_preset
+
+    path = bundled_checkpoint(model) or Path(model)
+    if path.is_dir():
+        return ModelConfig.from_file(path, block_size=block_size)
+    return get_preset(model, block_size=block_size)
 
 
 def describe_point(sweep: Sweep, r: dict[str, Any]) -> str:
