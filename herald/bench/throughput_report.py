@@ -84,7 +84,7 @@ class Data:
                 self.aside[key] = aside
         self.points = [p for s in self.sweeps.values() for p in s.values()]
         self.points += [p for s in self.aside.values() for p in s.values()]
-        self.host = {r["run_id"]: _host(r) for r in self.runs}  # run -> (cores, DRAM GiB)
+        self.host = _hosts(self.runs)  # run -> (cores, DRAM GiB)
         common = Counter(self.host.get(p["run_id"]) for p in self.points).most_common(1)
         self.common_host = common[0][0] if common else None
         pcie = [m["pcie"]["h2d_gbs"] for m in self.machines.values() if m.get("pcie")]
@@ -141,11 +141,30 @@ class Data:
         return ceil.point_ceilings(rec, pcie, dram)
 
 
-def _host(run: dict[str, Any]) -> tuple[Any, Any]:
-    """(cores, DRAM in whole GiB): the same machine reports 125.8 or 125.9 GiB on different boots."""
-    m = run.get("machine", {})
-    mem = m.get("mem_total_gib")
-    return m.get("cpu_count"), round(mem) if isinstance(mem, int | float) else mem
+HOST_DRAM_TOLERANCE_GIB = 2.0
+"""Two runs whose DRAM totals differ by at most this are one host shape: the same machine
+reports 125.8 or 125.9 GiB on different boots, and the kernel's own reservations move it."""
+
+
+def _hosts(runs: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """run_id -> (cores, DRAM GiB), DRAM totals within :data:`HOST_DRAM_TOLERANCE_GIB` of the
+    smallest of their group shown as that group's (rounded) smallest, so that a boot-to-boot
+    wobble does not split one host in two (plain rounding would: 125.4 vs 125.6)."""
+    mems = sorted(
+        {m for r in runs if isinstance(m := r.get("machine", {}).get("mem_total_gib"), int | float)}
+    )
+    canon: dict[float, int] = {}
+    first: float | None = None
+    for m in mems:
+        if first is None or m - first > HOST_DRAM_TOLERANCE_GIB:
+            first = m
+        canon[m] = round(first)
+    out = {}
+    for r in runs:
+        m = r.get("machine", {})
+        mem = m.get("mem_total_gib")
+        out[r["run_id"]] = (m.get("cpu_count"), canon.get(mem, mem))
+    return out
 
 
 def peak(recs: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
@@ -249,11 +268,18 @@ stores and the CPU pool, random initial sparse pools: decode speed does not depe
 real prefill throughput is in `results/dense`). Each point decodes warm-up blocks (CUDA graph
 capture, compilation of new shapes, the first block) and then timed blocks; **decode throughput =
 tokens generated in the timed blocks / their wall time** (two timed blocks; one where the warm-up
-took longer than `slow_block_s`: the `timed_blocks` field of each point). Each point is one such
+took longer than `slow_block_s`: the `timed_blocks` field of each point). A **dense point
+rehearses** first: its attention key length grows by one block per block (no padding, so no
+mask), and each new length costs a one-time attention plan (40-70 ms in a block's first step),
+which a serving process pays once per length; so it decodes the same prompts' blocks once,
+aborts them, admits them again and times the second pass (the `rehearsal` field keeps the first
+pass). The offloading modes attend over pools of a fixed padded length: their timed blocks reuse
+the warm-up's plans. Each point is one such
 measurement, not a mean of repeats: see Repeatability for how much two differ. A sweep ends at its first point that does
 not fit: `GPU OOM` (out of GPU memory under the cap) or `DRAM` (CPU pool or pinned staging). The
 80 GB cap limits PyTorch's allocator to 80e9 bytes (the CUDA context and library workspaces,
-~1 GB, are outside it). Uncapped offloading sweeps whose 80 GB sweep never ran out of GPU memory
+~1 GB, are outside it), 5.1 GiB less than an H100 80GB holds: the section after Table II shows
+what that changes. Uncapped offloading sweeps whose 80 GB sweep never ran out of GPU memory
 are not rerun (`= 80 GB run`): their batch is bounded by DRAM, not by the GPU.
 
 Ceilings (tokens/s; the paper's Fig. 5), with k = ceil(budget x S) rows per KV head and
@@ -309,6 +335,78 @@ def table2(d: Data, cap: float | None) -> list[str]:
 
 
 _POOL_END = re.compile(r"CPU pool holds (\d+) pages \(([\d.]+) GiB\), batch (\d+) needs (\d+)")
+
+
+H100_MIB = 81559
+"""An H100 80GB's memory as nvidia-smi reports it (79.6 GiB): more than the 80 GB cap's 80e9
+bytes (74.5 GiB)."""
+
+
+def h100_room(d: Data) -> list[str]:
+    """What the 80 GB cap's 5.1 GiB below a real H100 costs: of the 80 GB sweeps that ended in
+    GPU OOM, those with a whole-GPU point that peaked under an H100's memory and beat the
+    capped peak (such a point would fit on the H100 too, less its CUDA context, ~0.5 GiB), and
+    HERALD / Dense at that context with that point."""
+    h100 = H100_MIB / 1024
+    lines = [
+        f"The 80 GB cap is 80e9 bytes ({CAP_H100 * 1e9 / 2**30:.1f} GiB); an H100 80GB holds "
+        f"{H100_MIB:,} MiB ({h100:.1f} GiB). Sweeps the cap ended in GPU OOM, against the same "
+        f"mode on the whole GPU, where a point that peaked under {h100:.1f} GiB would fit on an "
+        "H100 too (its CUDA context, ~0.5 GiB, aside):",
+        "",
+    ]
+    rows = 0
+    for m in d.models():
+        for ctx in d.contexts(m):
+            dense_h100 = None
+            for v in plan.TABLE2_VARIANTS:
+                budget = VARIANTS[v].default_budget
+                capped = d.sweep(m, ctx, v, budget, CAP_H100)[0]
+                if not stop_reason(capped).startswith("GPU OOM"):
+                    continue
+                whole, note = d.sweep(m, ctx, v, budget, None)
+                if note.startswith("="):
+                    continue
+                top = peak(capped)
+                fit = peak({b: r for b, r in whole.items()
+                            if r["status"] == "ok" and (r.get("peak_gpu_gib") or 1e9) <= h100})  # fmt: skip
+                nxt = min(
+                    (r for r in whole.values()
+                     if r["status"] == "ok" and (r.get("peak_gpu_gib") or 0) > h100),
+                    key=lambda r: r["batch"], default=None,
+                )  # fmt: skip
+                name = f"- {plan.model_name(m)} {_ctx(ctx)} {VARIANTS[v].label}:"
+                rows += 1
+                if (
+                    top
+                    and fit
+                    and fit["batch"] > top["batch"]
+                    and fit["decode_tokens_per_s"] > top["decode_tokens_per_s"]
+                ):
+                    lines.append(
+                        f"{name} bs {fit['batch']} peaked at {fit['peak_gpu_gib']:.1f} GiB on the "
+                        f"whole GPU, {fit['decode_tokens_per_s']:.0f} tok/s, against "
+                        f"{top['decode_tokens_per_s']:.0f} (bs {top['batch']}) under the cap"
+                    )
+                    if v == "dense":
+                        dense_h100 = fit
+                else:
+                    more = (
+                        f": its next batch on the whole GPU, bs {nxt['batch']}, peaked at "
+                        f"{nxt['peak_gpu_gib']:.1f} GiB"
+                        if nxt
+                        else ""
+                    )
+                    lines.append(f"{name} no larger, faster batch fits in {h100:.1f} GiB{more}")
+            hr = peak(d.sweep(m, ctx, "herald", 0.05, CAP_H100)[0])
+            dn = peak(d.sweep(m, ctx, "dense", None, CAP_H100)[0])
+            if dense_h100 and hr and dn:
+                lines.append(
+                    f"  - so on an H100, HERALD / Dense at {plan.model_name(m)} {_ctx(ctx)} would "
+                    f"be about {hr['decode_tokens_per_s'] / dense_h100['decode_tokens_per_s']:.2f}x"
+                    f", not {hr['decode_tokens_per_s'] / dn['decode_tokens_per_s']:.2f}x"
+                )
+    return lines if rows else []
 
 
 def dram_bounds(d: Data) -> list[str]:
@@ -486,7 +584,18 @@ def targets(d: Data) -> list[str]:
             for ctx in d.contexts(m):
                 hr, hnote = d.sweep(m, ctx, "herald", 0.05, cap)
                 top = peak(hr)
-                if not top:
+                if not top:  # a comparison must not vanish because HERALD has no number
+                    where = f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD"
+                    if hr:
+                        lines.append(
+                            f"{where}: no batch fits ({stop_reason(hr)}): **missed** against "
+                            "mage and infinigen"
+                        )
+                    elif any(
+                        d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
+                        for v in ("mage", "infinigen")
+                    ):
+                        lines.append(f"{where}: **not measured** (mage / infinigen were)")
                     continue
                 hnote = f" ({hnote})" if hnote else ""
                 for v in ("mage", "infinigen"):
@@ -508,7 +617,7 @@ def targets(d: Data) -> list[str]:
                     margin = 100 * (top["decode_tokens_per_s"] / other["decode_tokens_per_s"] - 1)
                     close = (
                         f" (by {margin:.1f}%, less than the {noise:.1f}% median difference "
-                        "between two measurements of one configuration: see Repeatability)"
+                        "between two runs' measurements of one configuration: see Repeatability)"
                         if ok and noise is not None and margin < noise
                         else ""
                     )
@@ -604,6 +713,9 @@ def diagnose(
         out.append(
             f"  - limiting ceiling: **{CEILING_NAMES[key]} = {c[key]:.0f} tok/s** at bs {top['batch']} (HERALD's ceilings there: {detail} tok/s); lift: {LIFT_SELECTED if key == 'cpu_selection' and variant == 'herald-selected' else LIFT[key]}"
         )
+        spread = _ceiling_spread(d, top, key)
+        if spread:
+            out.append(spread)
         if need is not None:
             below = [k for k in keys if k in c and c[k] < need]
             if below:
@@ -624,6 +736,31 @@ def diagnose(
                     )
                 )
     return out
+
+
+def _ceiling_spread(d: Data, top: dict[str, Any], key: str) -> str:
+    """For a measured ceiling that other points of the same configuration and batch measured
+    too (the CPU selection kernel's time does not depend on T, so the Fig. 14 points at that
+    batch time it again): the range over them, a line; "" when there is no other."""
+    if key != "cpu_selection":
+        return ""
+    same = (top["model"], top["context"], top["variant"], top.get("budget"), top.get("gpu_cap_gb"))
+    got = [
+        (p["steps"], d.ceilings(p).get(key))
+        for p in d.points
+        if p["status"] == "ok"
+        and p["batch"] == top["batch"]
+        and (p["model"], p["context"], p["variant"], p.get("budget"), p.get("gpu_cap_gb")) == same
+    ]
+    vals: list[tuple[int, float]] = [(t, v) for t, v in got if v is not None]
+    if len(vals) < 2:
+        return ""
+    lo, hi = min(v for _, v in vals), max(v for _, v in vals)
+    return (
+        f"  - that ceiling is one timing of the kernel: {len(vals)} points of this configuration "
+        f"at bs {top['batch']} (T = {', '.join(str(t) for t, _ in sorted(vals))}) timed it at "
+        f"{lo:.0f}-{hi:.0f} tok/s ({100 * (hi / lo - 1):.0f}% apart)"
+    )
 
 
 def repeat_pairs(d: Data) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
@@ -648,17 +785,25 @@ def repeat_pairs(d: Data) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
 
 
 def noise_pct(d: Data) -> float | None:
-    """The median absolute difference (%) between two measurements of one configuration."""
-    diffs = [abs(x) for _, _, x in repeat_pairs(d)]
+    """The median absolute difference (%) between two measurements of one configuration made in
+    different runs (the methods of a table were measured in different runs), or over every
+    pair when no pair spans two runs; None without pairs."""
+    pairs = repeat_pairs(d)
+    cross = [abs(x) for a, b, x in pairs if a["run_id"] != b["run_id"]]
+    diffs = cross or [abs(x) for _, _, x in pairs]
     return statistics.median(diffs) if diffs else None
 
 
 def repeats(d: Data) -> list[str]:
     """How much one measurement varies (:func:`repeat_pairs`). Each point times one or two
     blocks, and every peak in the tables above is one such measurement."""
-    rows, diffs = [], []
+    rows: list[str] = []
+    diffs: list[float] = []
+    cross: list[float] = []
+    one: list[float] = []
     for a, b, diff in repeat_pairs(d):
         diffs.append(abs(diff))
+        (cross if a["run_id"] != b["run_id"] else one).append(abs(diff))
         runs = a["run_id"] if a["run_id"] == b["run_id"] else f"{a['run_id']}, {b['run_id']}"
         rows.append(
             f"| {plan.model_name(a['model'])} | {_ctx(a['context'])} | {a['variant']} "
@@ -667,15 +812,26 @@ def repeats(d: Data) -> list[str]:
         )
     if not rows:
         return []
+    split = (
+        f" {len(cross)} pairs come from two runs, hours apart: {statistics.median(cross):.1f}% "
+        f"(median), up to {max(cross):.1f}%"
+        + (
+            f"; {len(one)} from one run, minutes apart: {statistics.median(one):.1f}% (median)."
+            if one
+            else "."
+        )
+        + " The modes of a table were measured in different runs, so compare them by more than "
+        "the two-run figure (the Targets do)."
+        if cross
+        else " Each pair comes from one run; two runs differ by more."
+    )
     return [
         "## Repeatability",
         "",
         f"{len(rows)} configurations were measured twice (once under the 80 GB cap, once on the "
         "whole GPU, with the capped point's peak memory under the cap, so the cap did not bind): "
         f"the two differ by {statistics.median(diffs):.1f}% (median) and up to {max(diffs):.1f}%. "
-        "Differences this large between two single measurements, often from runs hours apart "
-        "(code changed in between; see Provenance), are the noise of every peak in this report: "
-        "compare methods by more than this.",
+        "Every peak in this report is one such measurement." + split,
         "",
         "| model | ctx | mode | T | bs | 80 GB cap tok/s | whole GPU tok/s | difference | runs |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -902,6 +1058,7 @@ def write_report(out: Path) -> Path:
     lines += ["## Table II analog: peak decode throughput and its batch", ""]
     for cap in (CAP_H100, None):
         lines += table2(d, cap) + [""]
+    lines += h100_room(d) + [""]
     lines += dram_bounds(d) + [""]
     lines += ["## Fig. 12 analog: throughput vs batch at 32K, with the ceilings", ""]
     for m in d.models():
