@@ -1058,8 +1058,8 @@ def write_report(out: Path) -> Path:
     lines += ["## Table II analog: peak decode throughput and its batch", ""]
     for cap in (CAP_H100, None):
         lines += table2(d, cap) + [""]
-    lines += h100_room(d) + [""]
-    lines += dram_bounds(d) + [""]
+    for part in (h100_room(d), dram_bounds(d)):
+        lines += [*part, ""] if part else []
     lines += ["## Fig. 12 analog: throughput vs batch at 32K, with the ceilings", ""]
     for m in d.models():
         for cap in (CAP_H100, None):
@@ -1071,7 +1071,19 @@ def write_report(out: Path) -> Path:
     lines += sweeps_summary(d) + [""]
     lines += repeats(d) + [""]
     lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
-    lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
+    lines += [METHOD, ""]
+    cold = [p for p in d.points if p["variant"] == "dense" and p["status"] == "ok"
+            and "rehearsal" not in p]  # fmt: skip
+    if cold:
+        lines += [
+            f"**{len(cold)} dense points here were measured before dense points rehearsed** (no "
+            "`rehearsal` field): their timed blocks paid the one-time attention plans, which "
+            "made them slower (on the one-GPU host, by 5.9% in the median configuration; "
+            "`results/throughput/superseded/dense_not_rehearsed.jsonl`), so ratios against them "
+            "flatter the offloading modes.",
+            "",
+        ]
+    lines += provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]
     else:  # a plot this report no longer draws (its data superseded) must not linger beside it

@@ -159,6 +159,8 @@ def test_report_from_fixture(tmp_path, capsys):
     assert "| 32K | 8 | 24 | 480 | 64 | 800 | 1.67 |" in md
     assert "| 32K | 20 | 24 | 1250 | 64 | 2500 | 2.00 |" in md
     assert "python -m herald.bench.throughput --plan all` | - | NVIDIA H200" in md  # provenance
+    # the fixture's dense points carry no `rehearsal`: timed on their first pass, and said so
+    assert "dense points here were measured before dense points rehearsed" in md
     # runs that differ only in their time limit share one settings line
     assert "Settings (every run): timed_blocks = 2, warmup_blocks = 1" in md
     assert "Every measured point" in md and "skipping a malformed line" in capsys.readouterr().out
