@@ -37,6 +37,17 @@ class Variant:
     def offload(self) -> bool:
         return self.mode != "dense"
 
+    @property
+    def rehearses(self) -> bool:
+        """Whether its points time a second pass over the same shapes
+        (:mod:`herald.bench.throughput_point`): dense (its key length grows per block, each new
+        length a one-time attention plan) and the draft lookahead (its (batch, 2B) forward runs
+        once per block, eagerly the first time and captured into a CUDA graph the second, so a
+        single warm-up block leaves the capture to the first timed block)."""
+        if not self.offload:
+            return True
+        return self.offload_config(self.default_budget or 0.05).lookahead != "off"
+
     def offload_config(self, budget: float, threads: int | None = None) -> OffloadConfig:
         return OffloadConfig.for_mode(
             self.mode, kv_budget=budget, selection_threads=threads, **dict(self.overrides)

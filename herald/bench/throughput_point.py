@@ -7,13 +7,19 @@ torch.compile of new shapes, the first block's prefill) and ``timed`` blocks, B 
 block in fixed T steps, EOS ignored. Decode throughput = tokens generated in the timed blocks /
 their wall time (host clock between block boundaries, main stream synchronised).
 
-The dense engine's attention key length grows by one block per block (its ``kv_pad`` is 0: a
-uniform batch needs no mask), so on CUDA each new length costs a one-time attention plan
-(40-70 ms in a block's first step on the H200) that a serving process pays once per length.
-A dense point therefore **rehearses**: it decodes the same requests' warm-up and timed blocks
-once, aborts them, admits them again and times the second pass (``rec["rehearsal"]`` keeps the
-first pass's numbers). The offloading engines attend over a sparse pool of a fixed padded
-length (and dense layers padded to ``kv_pad``), so their timed blocks reuse the warm-up's plans.
+Some one-time costs fall inside the timed blocks however many blocks warm up, and a serving
+process pays them once, not per block; points of such engines **rehearse**
+(:attr:`~herald.bench.throughput_plan.Variant.rehearses`): they decode the same requests' warm-up
+and timed blocks once, abort them, admit them again and time the second pass
+(``rec["rehearsal"]`` keeps the first pass's numbers). On the H200:
+- dense: its attention key length grows by one block per block (its ``kv_pad`` is 0: a uniform
+  batch needs no mask), and each new length costs an attention plan (40-70 ms in a block's
+  first step);
+- the draft lookahead (HERALD): its (batch, 2B) forward runs once per block, eagerly the first
+  time and captured into a CUDA graph the second, i.e. in the first timed block (about 60 ms
+  in its step 1).
+The other offloading modes attend over pools of a fixed padded length with forwards of one
+shape, which the warm-up block runs twice or more.
 
 For offloading modes the CPU full KV pool is shared by every point of a model (allocated, filled
 with random values and pinned once, see :func:`new_cpu_pool`); the pages a request is given hold
@@ -413,8 +419,8 @@ def measure_point(ps: PointSettings, sweep: Sweep, batch: int) -> dict[str, Any]
         hi = min(ps.config.vocab_size, ps.config.mask_token_id, *ps.config.eos_token_ids)
         prompts = torch.randint(0, hi, (batch, sweep.context), generator=g).tolist()
         reqs = [engine.add_request(p, params) for p in prompts]
-        if not var.offload:
-            # see the module docstring: the timed pass must not pay one-time attention plans
+        if var.rehearses:
+            # see the module docstring: the timed pass must not pay one-time costs
             first = run_blocks(engine, reqs, ps, sweep.steps)
             rec["rehearsal"] = {k: first[k] for k in _REHEARSAL_KEYS}
             for r in reqs:

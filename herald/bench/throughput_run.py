@@ -218,6 +218,8 @@ def point_records(
             continue
         if setting and setting_differs(record_setting(r, runs), setting):
             continue
+        if r["status"] == "ok" and VARIANTS[sweep.variant].rehearses and "rehearsal" not in r:
+            continue  # timed before its variant rehearsed: one-time costs in its timed blocks
         out[r["batch"]] = r
     for b in smaller_host_dram_ends(out, host_memory(records), here_gib):
         del out[b]

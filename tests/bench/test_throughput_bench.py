@@ -154,8 +154,9 @@ def test_staging_estimate_bounds_what_the_engine_pins(tmp_path, monkeypatch, var
     argv = ["--model", "tiny-llada2", "--context", "2048", "--mode", variant, "--batches", "2",
             "--out", str(tmp_path), *FAST]  # fmt: skip
     assert throughput.main(argv) == 0
-    ((pinned, est),) = seen
-    assert pinned <= est <= 2 * pinned, (pinned, est)
+    assert len(seen) in (1, 2)  # HERALD's points rehearse: one pass more
+    for pinned, est in seen:
+        assert pinned <= est <= 2 * pinned, (pinned, est)
 
 
 def test_time_limit_stops_and_a_rerun_resumes(tmp_path, capsys):

@@ -59,6 +59,8 @@ def _point(variant: str, batch: int = 1, run_id: str = "r1", **fields) -> dict:
            "kv_pad": 512 if var.offload else 0, "decode_tokens_per_s": 100.0}  # fmt: skip
     if var.offload:
         rec |= {"offload_cuda_graph": True, "selection_threads": 14}
+    if var.rehearses:
+        rec["rehearsal"] = {"decode_tokens_per_s": 90.0}
     return {**rec, **fields}
 
 

@@ -56,6 +56,8 @@ def _point(sweep, batch, status="ok", tps=100.0):
         if plan.VARIANTS[sweep.variant].offload
         else {"kv_pad": 0}
     )
+    if plan.VARIANTS[sweep.variant].rehearses and status == "ok":
+        setting["rehearsal"] = {"decode_tokens_per_s": tps}
     return {"kind": "point", "model": sweep.model, "context": sweep.context,
             "variant": sweep.variant, "budget": sweep.budget, "gpu_cap_gb": sweep.gpu_cap_gb,
             "steps": sweep.steps, "batch": batch, "status": status, "device": "cpu",
