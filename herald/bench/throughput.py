@@ -176,7 +176,8 @@ def check_measurement_args(args: argparse.Namespace) -> None:
             :data:`MAX_BLOCK_SIZE` (the models' blocks are: SDAR's 4, LLaDA2.0's 32; an odd size
             is a typo, not a setting worth measuring); warm-up or timed blocks below 1; a
             negative ``--slow-block-s`` or ``--dram-reserve-gb``; a ``--cpu-kv-gb`` or
-            ``--selection-threads`` that is not positive; a kv_pad outside [0, 65536].
+            ``--selection-threads`` that is not positive; a ``--dram-probe-gib`` that is not
+            positive; a kv_pad outside [0, 65536].
     """
     try:
         kind = torch.device(args.device).type
@@ -196,6 +197,11 @@ def check_measurement_args(args: argparse.Namespace) -> None:
                         ("--dram-reserve-gb", args.dram_reserve_gb)):  # fmt: skip
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value:g}")
+    if not args.dram_probe_gib > 0:
+        raise ValueError(
+            "--dram-probe-gib must be positive (GiB the DRAM probe reads), got "
+            f"{args.dram_probe_gib:g}"
+        )
     if args.cpu_kv_gb is not None and not args.cpu_kv_gb > 0:
         raise ValueError(
             f"--cpu-kv-gb must be positive (GiB of CPU KV pool), got {args.cpu_kv_gb:g}"

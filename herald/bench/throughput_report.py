@@ -340,6 +340,11 @@ _POOL_END = re.compile(r"CPU pool holds (\d+) pages \(([\d.]+) GiB\), batch (\d+
 H100_MIB = 81559
 """An H100 80GB's memory as nvidia-smi reports it (79.6 GiB): more than the 80 GB cap's 80e9
 bytes (74.5 GiB)."""
+H100_MARGIN_GIB = 2.0
+"""What a point's allocated peak must leave of an H100's memory to be taken as fitting: the CUDA
+context (~0.5 GiB; outside the cap here, inside the H100's memory) and the allocator's reserve
+over what it allocates (LLaDA2.0-mini 16K dense bs 64 allocated at most 73.8 GiB and did not
+fit under the 74.5 GiB cap)."""
 
 
 def h100_room(d: Data) -> list[str]:
@@ -348,11 +353,13 @@ def h100_room(d: Data) -> list[str]:
     capped peak (such a point would fit on the H100 too, less its CUDA context, ~0.5 GiB), and
     HERALD / Dense at that context with that point."""
     h100 = H100_MIB / 1024
+    room = h100 - H100_MARGIN_GIB
     lines = [
         f"The 80 GB cap is 80e9 bytes ({CAP_H100 * 1e9 / 2**30:.1f} GiB); an H100 80GB holds "
         f"{H100_MIB:,} MiB ({h100:.1f} GiB). Sweeps the cap ended in GPU OOM, against the same "
-        f"mode on the whole GPU, where a point that peaked under {h100:.1f} GiB would fit on an "
-        "H100 too (its CUDA context, ~0.5 GiB, aside):",
+        f"mode on the whole GPU, where a point whose allocated peak stayed under {room:.1f} GiB "
+        f"would likely fit on an H100 too ({H100_MARGIN_GIB:g} GiB left for the CUDA context and "
+        "the allocator's reserve over what it allocates):",
         "",
     ]
     rows = 0
@@ -365,14 +372,14 @@ def h100_room(d: Data) -> list[str]:
                 if not stop_reason(capped).startswith("GPU OOM"):
                     continue
                 whole, note = d.sweep(m, ctx, v, budget, None)
-                if note.startswith("="):
-                    continue
+                known = {b: r for b, r in whole.items()
+                         if r["status"] == "ok" and r.get("peak_gpu_gib") is not None}  # fmt: skip
+                if note.startswith("=") or not known:
+                    continue  # no whole-GPU sweep with memory peaks: nothing to say
                 top = peak(capped)
-                fit = peak({b: r for b, r in whole.items()
-                            if r["status"] == "ok" and (r.get("peak_gpu_gib") or 1e9) <= h100})  # fmt: skip
+                fit = peak({b: r for b, r in known.items() if r["peak_gpu_gib"] <= room})
                 nxt = min(
-                    (r for r in whole.values()
-                     if r["status"] == "ok" and (r.get("peak_gpu_gib") or 0) > h100),
+                    (r for r in known.values() if r["peak_gpu_gib"] > room),
                     key=lambda r: r["batch"], default=None,
                 )  # fmt: skip
                 name = f"- {plan.model_name(m)} {_ctx(ctx)} {VARIANTS[v].label}:"
@@ -397,7 +404,7 @@ def h100_room(d: Data) -> list[str]:
                         if nxt
                         else ""
                     )
-                    lines.append(f"{name} no larger, faster batch fits in {h100:.1f} GiB{more}")
+                    lines.append(f"{name} no larger, faster batch fits in {room:.1f} GiB{more}")
             hr = peak(d.sweep(m, ctx, "herald", 0.05, CAP_H100)[0])
             dn = peak(d.sweep(m, ctx, "dense", None, CAP_H100)[0])
             if dense_h100 and hr and dn:
@@ -579,23 +586,19 @@ def targets(d: Data) -> list[str]:
         if not ok:
             lines += diagnose(d, h, dt, v, need=TARGET_RATIO * dt["decode_tokens_per_s"])
     noise = noise_pct(d)
+    pairs = repeat_pairs(d)
+    noise_kind = (
+        "two runs' measurements"
+        if any(a["run_id"] != b["run_id"] for a, b, _ in pairs)
+        else "two measurements in one run (two runs differ more)"
+    )
     for cap in (CAP_H100, None):
         for m in d.models():
             for ctx in d.contexts(m):
                 hr, hnote = d.sweep(m, ctx, "herald", 0.05, cap)
                 top = peak(hr)
                 if not top:  # a comparison must not vanish because HERALD has no number
-                    where = f"- {plan.model_name(m)} {_ctx(ctx)}, {_cap(cap)}: HERALD"
-                    if hr:
-                        lines.append(
-                            f"{where}: no batch fits ({stop_reason(hr)}): **missed** against "
-                            "mage and infinigen"
-                        )
-                    elif any(
-                        d.sweep(m, ctx, v, VARIANTS[v].default_budget, cap)[0]
-                        for v in ("mage", "infinigen")
-                    ):
-                        lines.append(f"{where}: **not measured** (mage / infinigen were)")
+                    lines += _no_herald(d, hr, m, ctx, cap)
                     continue
                 hnote = f" ({hnote})" if hnote else ""
                 for v in ("mage", "infinigen"):
@@ -617,7 +620,7 @@ def targets(d: Data) -> list[str]:
                     margin = 100 * (top["decode_tokens_per_s"] / other["decode_tokens_per_s"] - 1)
                     close = (
                         f" (by {margin:.1f}%, less than the {noise:.1f}% median difference "
-                        "between two runs' measurements of one configuration: see Repeatability)"
+                        f"between {noise_kind} of one configuration: see Repeatability)"
                         if ok and noise is not None and margin < noise
                         else ""
                     )
@@ -628,6 +631,50 @@ def targets(d: Data) -> list[str]:
                     if not ok and not open_:
                         lines += diagnose(d, hr, other)
     return lines
+
+
+def cold_points(d: Data) -> list[str]:
+    """A warning, placed before the targets, when points of a rehearsing variant (Method) were
+    measured before it rehearsed: their timed blocks paid one-time costs."""
+    cold = Counter(
+        p["variant"] for p in d.points
+        if p["status"] == "ok" and VARIANTS[p["variant"]].rehearses and "rehearsal" not in p
+    )  # fmt: skip
+    if not cold:
+        return []
+    what = ", ".join(f"{n} {v}" for v, n in sorted(cold.items()))
+    return [
+        f"**Points measured before their mode rehearsed ({what})**: their timed blocks paid "
+        "one-time costs (dense: attention plans; HERALD: the draft forward's CUDA graph capture), "
+        "so they are slower than a warm server; `results/throughput/superseded/README.md` says "
+        "by how much on the one-GPU host. Ratios below that involve them are biased by it.",
+        "",
+    ]
+
+
+def _no_herald(
+    d: Data, hr: dict[int, dict[str, Any]], model: str, ctx: int, cap: float | None
+) -> list[str]:
+    """Target lines where HERALD has no fitting batch (``hr`` holds only failures) or no point
+    at all, one per baseline that was measured."""
+    out = []
+    for v in ("mage", "infinigen"):
+        orecs = d.sweep(model, ctx, v, VARIANTS[v].default_budget, cap)[0]
+        if not orecs and not hr:
+            continue  # nothing on either side: no line
+        other = peak(orecs)
+        head = f"- {plan.model_name(model)} {_ctx(ctx)}, {_cap(cap)}: HERALD"
+        mine = f"no batch fits ({stop_reason(hr)})" if hr else "not measured"
+        theirs = (
+            f"{other['decode_tokens_per_s']:.0f} tok/s"
+            if other
+            else f"no batch fits ({stop_reason(orecs)})"
+            if orecs
+            else "not measured"
+        )
+        verdict = "**missed**" if hr and other else "**not decided**"
+        out.append(f"{head} {mine} vs {v} {theirs}: {verdict}")
+    return out
 
 
 def _list_end_note(
@@ -823,7 +870,7 @@ def repeats(d: Data) -> list[str]:
         + " The modes of a table were measured in different runs, so compare them by more than "
         "the two-run figure (the Targets do)."
         if cross
-        else " Each pair comes from one run; two runs differ by more."
+        else " Each pair comes from one run, so this is a lower bound for two runs' noise."
     )
     return [
         "## Repeatability",
@@ -1054,6 +1101,7 @@ def write_report(out: Path) -> Path:
             "says which and why) and left out of every table here until measured again.",
             "",
         ]
+    lines += cold_points(d)
     lines += targets(d) + [""]
     lines += ["## Table II analog: peak decode throughput and its batch", ""]
     for cap in (CAP_H100, None):
@@ -1071,19 +1119,7 @@ def write_report(out: Path) -> Path:
     lines += sweeps_summary(d) + [""]
     lines += repeats(d) + [""]
     lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
-    lines += [METHOD, ""]
-    cold = [p for p in d.points if p["variant"] == "dense" and p["status"] == "ok"
-            and "rehearsal" not in p]  # fmt: skip
-    if cold:
-        lines += [
-            f"**{len(cold)} dense points here were measured before dense points rehearsed** (no "
-            "`rehearsal` field): their timed blocks paid the one-time attention plans, which "
-            "made them slower (on the one-GPU host, by 5.9% in the median configuration; "
-            "`results/throughput/superseded/dense_not_rehearsed.jsonl`), so ratios against them "
-            "flatter the offloading modes.",
-            "",
-        ]
-    lines += provenance(d) + [""] + all_points(d)
+    lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)
     if tplots.pyplot() is None and d.points:
         lines += ["", "(no plots: matplotlib is not installed here; rerun `--report` where it is)"]
     else:  # a plot this report no longer draws (its data superseded) must not linger beside it

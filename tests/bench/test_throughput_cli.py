@@ -91,6 +91,7 @@ def _pending(run: Runner) -> dict[str, list[int]]:
         (["--block-size", "2048"], "--block-size must be a power of two in [1, 1024]"),
         (["--cpu-kv-gb", "0"], "--cpu-kv-gb must be positive"),
         (["--cpu-kv-gb", "-2"], "--cpu-kv-gb must be positive"),
+        (["--dram-probe-gib", "0"], "--dram-probe-gib must be positive"),
         # 1 KiB: a tiny-sdar page (2 offloaded layers x K,V x 2 heads x 32 tokens x 32 x bf16)
         # is 16 KiB
         (
