@@ -268,13 +268,15 @@ stores and the CPU pool, random initial sparse pools: decode speed does not depe
 real prefill throughput is in `results/dense`). Each point decodes warm-up blocks (CUDA graph
 capture, compilation of new shapes, the first block) and then timed blocks; **decode throughput =
 tokens generated in the timed blocks / their wall time** (two timed blocks; one where the warm-up
-took longer than `slow_block_s`: the `timed_blocks` field of each point). A **dense point
-rehearses** first: its attention key length grows by one block per block (no padding, so no
-mask), and each new length costs a one-time attention plan (40-70 ms in a block's first step),
-which a serving process pays once per length; so it decodes the same prompts' blocks once,
-aborts them, admits them again and times the second pass (the `rehearsal` field keeps the first
-pass). The offloading modes attend over pools of a fixed padded length: their timed blocks reuse
-the warm-up's plans. Each point is one such
+took longer than `slow_block_s`: the `timed_blocks` field of each point). **Dense and HERALD
+points rehearse** first: they decode the same prompts' blocks once, abort them, admit them again
+and time the second pass (the `rehearsal` field keeps the first pass), because some one-time
+costs fall inside the timed blocks however many blocks warm up, costs a serving process pays
+once: dense's key length grows by one block per block (no padding, so no mask) and each new
+length costs an attention plan (40-70 ms in a block's first step); HERALD's draft forward runs
+once per block and is captured into a CUDA graph on its second use, the first timed block
+(about 60 ms). The other modes run forwards of fixed shapes, which the warm-up block repeats.
+Each point is one such
 measurement, not a mean of repeats: see Repeatability for how much two differ. A sweep ends at its first point that does
 not fit: `GPU OOM` (out of GPU memory under the cap) or `DRAM` (CPU pool or pinned staging). The
 80 GB cap limits PyTorch's allocator to 80e9 bytes (the CUDA context and library workspaces,
