@@ -251,7 +251,9 @@ def run_blocks(engine: Any, reqs: list[Request], ps: PointSettings, steps: int) 
     first = reqs[0]
     start0 = first.layout.first_block_start
     sync = _sync_main(ps.device)
-    prefill0 = engine.stats.prefill_seconds  # a rehearsed point's engine ran one pass before
+    # a rehearsed point's engine ran one pass before: its prefill time and its blocks' stats
+    prefill0 = engine.stats.prefill_seconds
+    blocks0 = len(getattr(engine.stats, "blocks", None) or ())
     warm, target = ps.warmup_blocks, ps.warmup_blocks + ps.timed_blocks
     marks: list[float] = []  # host clock at each block boundary
     tokens: list[int] = []  # generated tokens so far, at each boundary
@@ -299,7 +301,7 @@ def run_blocks(engine: Any, reqs: list[Request], ps: PointSettings, steps: int) 
     out["decode_tokens_per_s"] = out["generated_tokens"] / out["decode_seconds"]
     stats_blocks = getattr(engine.stats, "blocks", None)
     if stats_blocks:
-        mine = stats_blocks[warm : warm + len(timed)]
+        mine = stats_blocks[blocks0 + warm : blocks0 + warm + len(timed)]
         out["block_main_s"] = [x.main for x in mine]
         out["block_retrieval_s"] = [x.retrieval for x in mine]
         out["block_stall_s"] = [x.stall for x in mine]

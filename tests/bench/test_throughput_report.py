@@ -335,3 +335,28 @@ def test_hosts_whose_dram_differs_by_a_boot_wobble_are_one():
         [run("a", 16, 125.6), run("b", 16, 125.4), run("c", 32, 251.8), run("d", 16, None)]
     )
     assert got == {"a": (16, 125), "b": (16, 125), "c": (32, 252), "d": (16, None)}
+
+
+def test_block_stats_of_the_rehearsal_pass_are_marked(tmp_path):
+    # Points whose timed pass's per-block stream times were not recorded show their rehearsal
+    # pass's, marked, with the note saying so; their throughput stays the timed pass's.
+    write_fixture(tmp_path)
+    jsonl = tmp_path / throughput.JSONL_NAME
+    recs = [json.loads(x) for x in jsonl.read_text().splitlines()[:-1]]
+    for r in recs:
+        if (r.get("variant"), r.get("context"), r.get("batch"), r.get("steps")) == (
+            "herald",
+            K32,
+            48,
+            20,
+        ):
+            moved = {k: r.pop(k) for k in ("block_main_s", "block_retrieval_s", "block_stall_s")}
+            r["rehearsal"] = {"decode_tokens_per_s": 1800.0, **moved}
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert throughput.main(["--report", str(tmp_path)]) == 0
+    md = (tmp_path / "README.md").read_text()
+    assert "† per-block stream times of the point's rehearsal pass" in md
+    # 48 x 32 tokens / 2300 tok/s = 0.67 s per block, retrieval 0.8 of it (the fixture's)
+    assert "| herald | 48 | 2300 |" in md and "| 0.67† | 0.53 | 0.00 |" in md
+    # the note, the Fig. 12 rows (80 GB cap; whole GPU = the 80 GB run) and the every-point row
+    assert md.count("†") == 4
