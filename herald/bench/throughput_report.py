@@ -606,8 +606,8 @@ def targets(d: Data) -> list[str]:
         )
         if not ok:
             lines += diagnose(d, h, dt, v, need=TARGET_RATIO * dt["decode_tokens_per_s"])
-    noise = noise_pct(d)
     pairs = repeat_pairs(d)
+    noise = noise_pct(pairs)
     noise_kind = (
         "two runs' measurements"
         if any(a["run_id"] != b["run_id"] for a, b, _ in pairs)
@@ -853,11 +853,10 @@ def repeat_pairs(d: Data) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
     return out
 
 
-def noise_pct(d: Data) -> float | None:
+def noise_pct(pairs: list[tuple[dict[str, Any], dict[str, Any], float]]) -> float | None:
     """The median absolute difference (%) between two measurements of one configuration made in
     different runs (the methods of a table were measured in different runs), or over every
-    pair when no pair spans two runs; None without pairs."""
-    pairs = repeat_pairs(d)
+    pair when no pair spans two runs; None without pairs (``pairs``: :func:`repeat_pairs`)."""
     cross = [abs(x) for a, b, x in pairs if a["run_id"] != b["run_id"]]
     diffs = cross or [abs(x) for _, _, x in pairs]
     return statistics.median(diffs) if diffs else None

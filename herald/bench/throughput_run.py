@@ -571,16 +571,10 @@ def pool_page_bytes(config: Any) -> int:
 
 def model_config(model: str, block_size: int) -> Any:
     """The :class:`~herald.models.config.ModelConfig` ``model`` (a preset, bundled checkpoint or
-    checkpoint directory, as :func:`herald.models.loader.load_model` resolves it) has at
-    ``block_size``, without building the model."""
-    from herald.models.config import ModelConfig
-    from herald.models.loader import bundled_checkpoint
-    from herald.models.registry import get_preset
+    checkpoint directory) has at ``block_size``, without building the model."""
+    from herald.models.loader import load_config
 
-    path = bundled_checkpoint(model) or Path(model)
-    if path.is_dir():
-        return ModelConfig.from_file(path, block_size=block_size)
-    return get_preset(model, block_size=block_size)
+    return load_config(model, block_size=block_size)
 
 
 def describe_point(sweep: Sweep, r: dict[str, Any]) -> str:

@@ -261,19 +261,33 @@ def load_model(
     """
     dev = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(dev)
+    config = load_config(path_or_preset, **config_overrides)
     path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
     if path.is_dir():
-        config = ModelConfig.from_file(path, **config_overrides)
         tokenizer = load_tokenizer(path, config)
         storage = checkpoint_storage(path)
         check_tensors(weight_specs(config), checkpoint_tensors(path), path, storage)
         model = build_model(config, dev, dtype)
         load_weights_(model, path)
         return model, config, tokenizer
+    seed = 0 if random_init_seed is None else random_init_seed
+    return build_model(config, dev, dtype, seed=seed), config, byte_level_tokenizer(config)
+
+
+def load_config(path_or_preset: str | Path, **config_overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` that :func:`load_model` would build, without building the model:
+    a checkpoint directory's (or a bundled checkpoint's) ``config.json``, else a preset's;
+    ``config_overrides`` as there.
+
+    Raises:
+        FileNotFoundError: not a directory nor a preset; no config.json.
+        ConfigError: unsupported architecture or bad config.
+    """
+    path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
+    if path.is_dir():
+        return ModelConfig.from_file(path, **config_overrides)
     if is_preset(str(path_or_preset)):
-        config = get_preset(str(path_or_preset), **config_overrides)
-        seed = 0 if random_init_seed is None else random_init_seed
-        return build_model(config, dev, dtype, seed=seed), config, byte_level_tokenizer(config)
+        return get_preset(str(path_or_preset), **config_overrides)
     raise FileNotFoundError(
         f"{str(path_or_preset)!r} is neither a checkpoint directory nor a preset; bundled: "
         + ", ".join(BUNDLED_CHECKPOINTS)
