@@ -157,7 +157,8 @@ def build_examples(
     """Build ``num_examples`` examples of ``task`` whose prompts hold at most ``context`` tokens.
 
     ``corpus.codec`` must be ``codec``. Deterministic for (corpus files, tokenizer, ``cfg``).
-    May return fewer examples than asked when the corpus has no more eligible ones.
+    May return fewer examples than asked when the corpus has no more eligible ones. The examples
+    of a build are a prefix of those of a larger build with the same settings.
 
     Raises:
         ValueError: unknown task, or ``context`` not above ``cfg.control_tokens`` /
@@ -472,9 +473,9 @@ def _build_line(
     examples: list[Example] = []
     pooled = cfg.line_setting in ("cross_file_first", "cross_file_later")
     pools = _cross_use_pools(corpus, pkgs, rng, cfg.line_setting) if pooled else {}
-    misses = 0
+    exhausted: set[str] = set()  # cross_file_random: packages with no eligible line left
     i = 0
-    while len(examples) < n and misses < 4 * len(pkgs):
+    while len(examples) < n:
         pkg = pkgs[i % len(pkgs)]
         i += 1
         if pooled:
@@ -484,6 +485,8 @@ def _build_line(
                     break  # every candidate tried
                 continue
         else:
+            # An exhausted package is still visited (its random draws are made as before), so
+            # the examples of a build are a prefix of those of any larger build of that seed.
             pick = _pick_random_use(
                 corpus,
                 codec,
@@ -495,9 +498,18 @@ def _build_line(
                 names_cache,
                 cands_cache,
             )
-        if pick is None:
-            misses += 1
-            continue
+            if pick is None:
+                files = corpus.packages[pkg]
+                if not any(
+                    (f.rel, row) not in chosen
+                    for f in map(corpus.read, files)
+                    if f is not None and f.tree is not None
+                    for row, _ in _file_candidates(corpus, f, files, names_cache, cands_cache)
+                ):
+                    exhausted.add(pkg)
+                    if len(exhausted) == len(pkgs):
+                        break  # every eligible line of every package asked
+                continue
         f, row, choice, ids, prompt_meta = pick
         chosen.add((f.rel, row))
         target = f.lines[row - 1].rstrip("\r\n")
@@ -558,6 +570,28 @@ def _pick_cross_use(
     return None
 
 
+def _file_candidates(
+    corpus: Corpus,
+    f: SourceFile,
+    files: list[str],
+    names_cache: dict[str, set[str]],
+    cands_cache: dict[str, list[tuple[int, int]]],
+) -> list[tuple[int, int]]:
+    """``cross_file_random``: :func:`line_candidates` of ``f`` (a parsed file of the package whose
+    files are ``files``), computed once per build through the two caches of
+    :func:`_pick_random_use`."""
+    if f.rel not in cands_cache:
+        package_names: set[str] = set()
+        for r in files:
+            if r != f.rel:
+                if r not in names_cache:
+                    other = corpus.read(r)
+                    names_cache[r] = _module_names(other) if other is not None else set()
+                package_names |= names_cache[r]
+        cands_cache[f.rel] = line_candidates(f, _imported_package_names(f), package_names)
+    return cands_cache[f.rel]
+
+
 def _pick_random_use(
     corpus: Corpus,
     codec: TextCodec,
@@ -583,16 +617,11 @@ def _pick_random_use(
         f = corpus.read(rng.choice(files))
         if f is None or f.tree is None:
             continue
-        if f.rel not in cands_cache:
-            package_names: set[str] = set()
-            for r in files:
-                if r != f.rel:
-                    if r not in names_cache:
-                        other = corpus.read(r)
-                        names_cache[r] = _module_names(other) if other is not None else set()
-                    package_names |= names_cache[r]
-            cands_cache[f.rel] = line_candidates(f, _imported_package_names(f), package_names)
-        cands = [(row, t) for row, t in cands_cache[f.rel] if (f.rel, row) not in chosen]
+        cands = [
+            (row, t)
+            for row, t in _file_candidates(corpus, f, files, names_cache, cands_cache)
+            if (f.rel, row) not in chosen
+        ]
         if not cands:
             continue
         tier = max(t for _, t in cands)

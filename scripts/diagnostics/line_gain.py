@@ -71,16 +71,16 @@ def stratified_interval(
     return lo, hi, se
 
 
-def line(name: str, diffs: list[list[float]]) -> str:
-    """One summary line: name, n, mean [95% interval] and z = mean / bootstrap SE."""
+def line(name: str, diffs: list[list[float]], level: float = 0.95) -> str:
+    """One summary line: name, n, mean [interval at ``level``] and z = mean / bootstrap SE."""
     flat = [x for d in diffs for x in d]
     mean = sum(flat) / len(flat)
-    lo, hi, se = stratified_interval(diffs)
+    lo, hi, se = stratified_interval(diffs, level)
     z = mean / se if se > 0 else float("nan")
     return f"{name}: n={len(flat)}, {mean:+.2f} ES [{lo:+.2f}, {hi:+.2f}], z {z:.2f}"
 
 
-def pool(folders: list[Path], context: int) -> None:
+def pool(folders: list[Path], context: int, level: float = 0.95) -> None:
     seen: set[tuple] = set()
     gains: list[list[float]] = []
     tiers: dict[int, list[list[float]]] = {}
@@ -92,13 +92,14 @@ def pool(folders: list[Path], context: int) -> None:
         seen |= targets
         gain = [d - c for d, c in zip(dense, control, strict=True)]
         gains.append(gain)
-        print(line(f"{folder}", [gain]))
+        print(line(f"{folder}", [gain], level))
         for t in sorted({k[3] for k in keys}):
             part = [g for g, k in zip(gain, keys, strict=True) if k[3] == t]
             tiers.setdefault(t, []).append(part)
-    print(line("pooled (stratified by set)", gains))
+    print(f"intervals at {100 * level:g}%")
+    print(line("pooled (stratified by set)", gains, level))
     for t, parts in sorted(tiers.items()):
-        print(line(f"  tier {t}", [p for p in parts if p]))
+        print(line(f"  tier {t}", [p for p in parts if p], level))
     print(by_package(folders, context))
 
 
@@ -144,13 +145,16 @@ def main() -> None:
     p = sub.add_parser("pool", help="one checkpoint, disjoint example sets")
     p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--context", type=int, required=True)
+    p.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
     c = sub.add_parser("compare", help="two folders on the same examples")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     c.add_argument("--context", type=int, required=True)
     args = ap.parse_args()
     if args.cmd == "pool":
-        pool(args.folders, args.context)
+        if not 0 < args.level < 1:
+            ap.error(f"--level must be in (0, 1), got {args.level}")
+        pool(args.folders, args.context, args.level)
     else:
         compare(args.a, args.b, args.context)
 
