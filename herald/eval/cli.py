@@ -133,7 +133,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")
     p.add_argument(
-        "--analysis-examples", type=int, default=8, help="Fig. 7/9 analysis examples (0 = off)"
+        "--analysis-examples",
+        type=int,
+        default=8,
+        help="examples per task and context for the Fig. 7/9 selection-recall analysis "
+        "(default: 8; 0 = off; minutes per example on a CPU)",
     )
     p.add_argument("--analysis-blocks", type=int, default=4, help="blocks decoded per example")
     p.add_argument("--oracle-budget", type=float, default=0.025, help="oracle k as a budget")
@@ -323,6 +327,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from herald.models.loader import load_model
 
     device = resolve_device(args.device)
+    if device.type == "cpu" and args.analysis_examples > 0:
+        print(
+            f"NOTE: the Fig. 7/9 analysis runs on {args.analysis_examples} examples per task and "
+            "context, minutes each on a CPU; --analysis-examples 0 skips it",
+            file=sys.stderr,
+        )
     torch.manual_seed(0)
     model, config, tokenizer = load_model(args.model, device=device, dtype=torch.bfloat16)
     dcfg = DecodeConfig(
