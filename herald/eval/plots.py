@@ -77,19 +77,26 @@ def write_plots(out: Path, table: dict[str, Any], analysis: dict[str, Any] | Non
         s = analysis["summary"]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         buckets = [b for b in s["fig7"] if b["count"]]
+        ob = f"{analysis['config']['oracle_budget']:g}"
+        trio = (
+            ("rep_omitted", "omitted"),
+            ("rep_draft", "drafted"),
+            ("rep_completed", "completed"),
+        )
+        # the last group: every (pair, layer), not conditioned on the omitted recall
+        everything = {v: s["mean"].get(v, {}).get(ob, 0.0) for v, _ in trio}
         width = 0.27
-        for k, (v, label) in enumerate(
-            (("rep_omitted", "omitted"), ("rep_draft", "drafted"), ("rep_completed", "completed"))
-        ):
+        for k, (v, label) in enumerate(trio):
             ax.bar(
-                [i + (k - 1) * width for i in range(len(buckets))],
-                [b[v] for b in buckets],
+                [i + (k - 1) * width for i in range(len(buckets) + 1)],
+                [b[v] for b in buckets] + [everything[v]],
                 width,
                 label=label,
             )
-        ax.set_xticks(range(len(buckets)))
+        ax.set_xticks(range(len(buckets) + 1))
         ax.set_xticklabels(
-            [f"[{b['bucket'][0]:.1f},{b['bucket'][1]:.1f})\nn={b['count']}" for b in buckets],
+            [f"[{b['bucket'][0]:.1f},{b['bucket'][1]:.1f})\nn={b['count']}" for b in buckets]
+            + [f"all\nn={sum(b['count'] for b in buckets)}"],
             fontsize=7,
         )
         ax.set_xlabel("recall with block n omitted")

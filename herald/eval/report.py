@@ -471,7 +471,9 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
         "",
         f"Recall of block n+1's representative-query selection against the per-step oracle at k = k_o "
         f"(budget {ob} of the context), per (block pair, offloaded layer), bucketed by the recall with block n omitted; "
-        f"{s['num_pairs']} block pairs from units {', '.join(analysis['units'])}.",
+        f"{s['num_pairs']} block pairs from units {', '.join(analysis['units'])}. "
+        "Bucketing by one of the three bars favours that bar in the upper buckets and the others "
+        "in the lower ones (regression to the mean); the row *all* compares them unconditionally.",
         "",
         "| omitted recall | count | omitted | drafted | completed |",
         "| --- | --- | --- | --- | --- |",
@@ -481,6 +483,10 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
             f"| [{b['bucket'][0]:.1f}, {b['bucket'][1]:.1f}) | {b['count']} | {_fmt(b['rep_omitted'], '.3f')} | {_fmt(b['rep_draft'], '.3f')} | {_fmt(b['rep_completed'], '.3f')} |"
         )
     mean = s["mean"]
+    trio = [
+        _fmt(mean.get(v, {}).get(ob), ".3f") for v in ("rep_omitted", "rep_draft", "rep_completed")
+    ]
+    lines.append(f"| *all* | {sum(b['count'] for b in s['fig7'])} | " + " | ".join(trio) + " |")
     budgets = sorted({x for v in mean.values() for x in v}, key=float)
     lines += [
         "",
@@ -511,20 +517,37 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
     if base is not None:
         lines += [
             "",
-            f"MAGE at its base budget {ob}: recall {base:.3f}. Budget at which each variant first reaches it:",
+            f"MAGE at its base budget {ob}: recall {base:.3f}. Budget at which each variant first "
+            "reaches it: the first budget swept, and the crossing interpolated linearly between "
+            "the two budgets around it:",
             "",
         ]
         for v in FIG9_VARIANTS:
             if v in mean:
-                hit = [float(x) for x in budgets if mean[v].get(x, -1) >= base]
+                b = crossing_budget({float(x): r for x, r in mean[v].items()}, base)
                 txt = (
-                    f"{min(hit):g} ({min(hit) / float(ob):.2f}x)"
-                    if hit
+                    f"{b[0]:g} ({b[0] / float(ob):.2f}x; interpolated {b[1]:.3g}, "
+                    f"{b[1] / float(ob):.2f}x)"
+                    if b is not None
                     else "not within the budgets swept"
                 )
                 lines.append(f"- {VARIANTS[v]}: {txt}")
     lines.append("")
     return lines
+
+
+def crossing_budget(recall: dict[float, float], target: float) -> tuple[float, float] | None:
+    """The first budget of ``recall`` (budget fraction -> mean recall) whose recall reaches
+    ``target``, and the budget where the line between it and the budget before crosses
+    ``target`` (the first budget itself when it is the smallest); None if none reaches it."""
+    pts = sorted(recall.items())
+    for i, (b, r) in enumerate(pts):
+        if r >= target:
+            if i == 0:
+                return b, b
+            b0, r0 = pts[i - 1]
+            return b, b0 + (target - r0) * (b - b0) / (r - r0)
+    return None
 
 
 def pooled_analysis(units: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

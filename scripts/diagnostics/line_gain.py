@@ -100,13 +100,14 @@ def pool(folders: list[Path], context: int, level: float = 0.95) -> None:
     print(line("pooled (stratified by set)", gains, level))
     for t, parts in sorted(tiers.items()):
         print(line(f"  tier {t}", [p for p in parts if p], level))
-    print(by_package(folders, context))
+    print(by_package(folders, context, level))
 
 
-def by_package(folders: list[Path], context: int) -> str:
-    """The pooled gain with packages as the unit: each package's mean gain over its targets of
-    every set, and a one-sample t statistic over the packages (the targets of one package share
-    files and context, so they are not independent draws)."""
+def by_package(folders: list[Path], context: int, level: float = 0.95) -> str:
+    """The pooled gain with packages as the unit (the targets of one package share files and
+    context, so they are not independent draws): each package's mean gain over its targets of
+    every set with a one-sample t statistic over the packages (every package weighs the same),
+    and the mean over targets with a bootstrap interval that resamples whole packages."""
     per: dict[str, list[float]] = {}
     for folder in folders:
         keys, dense, control = load_set(folder, context)
@@ -118,9 +119,21 @@ def by_package(folders: list[Path], context: int) -> str:
     sd = (sum((m - mu) ** 2 for m in means) / (k - 1)) ** 0.5 if k > 1 else float("nan")
     t = mu * k**0.5 / sd if sd > 0 else float("nan")
     lo, hi = min(means), max(means)
+    # the mean over targets, with whole packages resampled (a cluster bootstrap): the same
+    # estimand as the pooled line, its interval allowing for targets of one package being alike
+    sums = [(sum(v), len(v)) for v in per.values()]
+    rng = random.Random(0)
+    boot = []
+    for _ in range(REPS):
+        pick = [sums[rng.randrange(k)] for _ in range(k)]
+        boot.append(sum(p[0] for p in pick) / sum(p[1] for p in pick))
+    boot.sort()
+    weighted = sum(p[0] for p in sums) / sum(p[1] for p in sums)
+    c_lo, c_hi = boot[int((1 - level) / 2 * REPS)], boot[int((1 + level) / 2 * REPS) - 1]
     return (
         f"by package: {k} packages, mean of package means {mu:+.2f} ES "
-        f"(range {lo:+.2f} to {hi:+.2f}), t({k - 1}) {t:.2f}"
+        f"(range {lo:+.2f} to {hi:+.2f}), t({k - 1}) {t:.2f}; mean over targets {weighted:+.2f} "
+        f"ES, packages resampled [{c_lo:+.2f}, {c_hi:+.2f}] at {100 * level:g}%"
     )
 
 

@@ -100,3 +100,14 @@ def test_line_variants_table(tmp_path, capsys):
     assert "Bonferroni over 2" in out and "97.5%" in out
     assert "| `v-in1` | 2 | 75.0 | 50.0 | +25.0" in out
     assert "| `v-in2` | 2 | 20.0 | 30.0 | -10.0" in out
+
+
+def test_crossing_budget_interpolates_between_the_budgets_around_the_target():
+    from herald.eval.report import crossing_budget
+
+    recall = {0.05: 0.745, 0.025: 0.55, 0.075: 0.835}  # any order
+    first, interpolated = crossing_budget(recall, 0.779)
+    assert first == 0.075
+    assert interpolated == pytest.approx(0.05 + (0.779 - 0.745) * 0.025 / (0.835 - 0.745))
+    assert crossing_budget(recall, 0.5) == (0.025, 0.025)  # the smallest budget already reaches
+    assert crossing_budget(recall, 0.9) is None
