@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.eval.metrics import HEADLINE
-from herald.eval.recall import FIG9_VARIANTS, VARIANTS
+from herald.eval.recall import FIG7_BARS, FIG9_VARIANTS, VARIANTS
 from herald.eval.runner import OFFLOAD_MODES
 
 COLORS = {"mage": "tab:blue", "infinigen": "tab:orange", "herald": "tab:green"}
@@ -76,27 +76,23 @@ def write_plots(out: Path, table: dict[str, Any], analysis: dict[str, Any] | Non
     if analysis is not None and analysis["summary"]["num_pairs"]:
         s = analysis["summary"]
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        buckets = [b for b in s["fig7"] if b["count"]]
-        ob = f"{analysis['config']['oracle_budget']:g}"
-        trio = (
-            ("rep_omitted", "omitted"),
-            ("rep_draft", "drafted"),
-            ("rep_completed", "completed"),
-        )
-        # the last group: every (pair, layer), not conditioned on the omitted recall
-        everything = {v: s["mean"].get(v, {}).get(ob, 0.0) for v, _ in trio}
+        # the buckets, then every (pair, layer) unbucketed (not conditioned on the omitted bar)
+        groups = [b for b in s["fig7"] if b["count"]] + [s["fig7_all"]]
         width = 0.27
-        for k, (v, label) in enumerate(trio):
+        for k, (v, label) in enumerate(FIG7_BARS):
             ax.bar(
-                [i + (k - 1) * width for i in range(len(buckets) + 1)],
-                [b[v] for b in buckets] + [everything[v]],
+                [i + (k - 1) * width for i in range(len(groups))],
+                [g[v] for g in groups],
                 width,
                 label=label,
             )
-        ax.set_xticks(range(len(buckets) + 1))
+        ax.set_xticks(range(len(groups)))
         ax.set_xticklabels(
-            [f"[{b['bucket'][0]:.1f},{b['bucket'][1]:.1f})\nn={b['count']}" for b in buckets]
-            + [f"all\nn={sum(b['count'] for b in buckets)}"],
+            [
+                (f"[{g['bucket'][0]:.1f},{g['bucket'][1]:.1f})" if "bucket" in g else "all")
+                + f"\nn={g['count']}"
+                for g in groups
+            ],
             fontsize=7,
         )
         ax.set_xlabel("recall with block n omitted")

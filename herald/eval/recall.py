@@ -443,6 +443,8 @@ def analyse_pair(
 # -- a unit: several examples ---------------------------------------------------------------------
 BUCKETS = (0.0, 0.6, 0.7, 0.8, 0.9, 1.0001)
 """Fig. 7 buckets of the recall with block n omitted (per pair and layer)."""
+FIG7_BARS = (("rep_omitted", "omitted"), ("rep_draft", "drafted"), ("rep_completed", "completed"))
+"""Fig. 7's three bars: (variant, label), block n omitted / drafted / completed."""
 
 
 def run_analysis(
@@ -480,7 +482,8 @@ def run_analysis(
 def summarise(pairs: list[dict[str, Any]], oracle_budget: float) -> dict[str, Any]:
     """Means over every (pair, offloaded layer): ``mean[variant][budget]``; the Fig. 7 buckets at
     the oracle budget (``fig7``: per bucket of the omitted recall, the count and the mean recall of
-    omitted / drafted / completed); the number of pairs."""
+    omitted / drafted / completed; ``fig7_all``: the same over every (pair, layer), unbucketed,
+    since bucketing by one bar biases the comparison); the number of pairs."""
     mean: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
         per_budget: dict[str, list[float]] = {}
@@ -492,21 +495,19 @@ def summarise(pairs: list[dict[str, Any]], oracle_budget: float) -> dict[str, An
                 x: sum(v) / len(v) for x, v in sorted(per_budget.items(), key=lambda t: float(t[0]))
             }
     key = f"{oracle_budget:g}"
-    trio = ("rep_omitted", "rep_draft", "rep_completed")
+    trio = [v for v, _ in FIG7_BARS]
     inst = [
         tuple(p["recall"][v][key][i] for v in trio) for p in pairs for i in range(len(p["layers"]))
     ]
-    fig7 = []
-    for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:], strict=True):
-        rows = [r for r in inst if lo <= r[0] < hi]
-        fig7.append(
-            {
-                "bucket": [lo, min(hi, 1.0)],
-                "count": len(rows),
-                **{
-                    v: (sum(r[k] for r in rows) / len(rows) if rows else None)
-                    for k, v in enumerate(trio)
-                },
-            }
-        )
-    return {"num_pairs": len(pairs), "mean": mean, "fig7": fig7}
+
+    def bars(rows: list[tuple[float, ...]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": len(rows)}
+        for k, v in enumerate(trio):
+            out[v] = sum(r[k] for r in rows) / len(rows) if rows else None
+        return out
+
+    fig7 = [
+        {"bucket": [lo, min(hi, 1.0)], **bars([r for r in inst if lo <= r[0] < hi])}
+        for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:], strict=True)
+    ]
+    return {"num_pairs": len(pairs), "mean": mean, "fig7": fig7, "fig7_all": bars(inst)}

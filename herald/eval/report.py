@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.eval.metrics import HEADLINE
-from herald.eval.recall import FIG9_VARIANTS, VARIANTS, summarise
+from herald.eval.recall import FIG7_BARS, FIG9_VARIANTS, VARIANTS, summarise
 from herald.eval.runner import OFFLOAD_MODES, OPERATING_BUDGET, Unit
 
 NEAR_LOSSLESS = 1.0
@@ -482,11 +482,13 @@ def _analysis_markdown(analysis: dict[str, Any]) -> list[str]:
         lines.append(
             f"| [{b['bucket'][0]:.1f}, {b['bucket'][1]:.1f}) | {b['count']} | {_fmt(b['rep_omitted'], '.3f')} | {_fmt(b['rep_draft'], '.3f')} | {_fmt(b['rep_completed'], '.3f')} |"
         )
+    everything = s["fig7_all"]
+    lines.append(
+        f"| *all* | {everything['count']} | "
+        + " | ".join(_fmt(everything[v], ".3f") for v, _ in FIG7_BARS)
+        + " |"
+    )
     mean = s["mean"]
-    trio = [
-        _fmt(mean.get(v, {}).get(ob), ".3f") for v in ("rep_omitted", "rep_draft", "rep_completed")
-    ]
-    lines.append(f"| *all* | {sum(b['count'] for b in s['fig7'])} | " + " | ".join(trio) + " |")
     budgets = sorted({x for v in mean.values() for x in v}, key=float)
     lines += [
         "",

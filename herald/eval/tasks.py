@@ -500,7 +500,7 @@ def _build_line(
             )
             if pick is None:
                 files = corpus.packages[pkg]
-                if not any(
+                if pkg not in exhausted and not any(
                     (f.rel, row) not in chosen
                     for f in map(corpus.read, files)
                     if f is not None and f.tree is not None

@@ -84,6 +84,7 @@ def pool(folders: list[Path], context: int, level: float = 0.95) -> None:
     seen: set[tuple] = set()
     gains: list[list[float]] = []
     tiers: dict[int, list[list[float]]] = {}
+    per_package: dict[str, list[float]] = {}
     for folder in folders:
         keys, dense, control = load_set(folder, context)
         targets = {k[:3] for k in keys}
@@ -93,6 +94,8 @@ def pool(folders: list[Path], context: int, level: float = 0.95) -> None:
         gain = [d - c for d, c in zip(dense, control, strict=True)]
         gains.append(gain)
         print(line(f"{folder}", [gain], level))
+        for k, g in zip(keys, gain, strict=True):
+            per_package.setdefault(k[4], []).append(g)
         for t in sorted({k[3] for k in keys}):
             part = [g for g, k in zip(gain, keys, strict=True) if k[3] == t]
             tiers.setdefault(t, []).append(part)
@@ -100,19 +103,15 @@ def pool(folders: list[Path], context: int, level: float = 0.95) -> None:
     print(line("pooled (stratified by set)", gains, level))
     for t, parts in sorted(tiers.items()):
         print(line(f"  tier {t}", [p for p in parts if p], level))
-    print(by_package(folders, context, level))
+    print(by_package(per_package, level))
 
 
-def by_package(folders: list[Path], context: int, level: float = 0.95) -> str:
+def by_package(per: dict[str, list[float]], level: float = 0.95) -> str:
     """The pooled gain with packages as the unit (the targets of one package share files and
-    context, so they are not independent draws): each package's mean gain over its targets of
-    every set with a one-sample t statistic over the packages (every package weighs the same),
-    and the mean over targets with a bootstrap interval that resamples whole packages."""
-    per: dict[str, list[float]] = {}
-    for folder in folders:
-        keys, dense, control = load_set(folder, context)
-        for k, d, c in zip(keys, dense, control, strict=True):
-            per.setdefault(k[4], []).append(d - c)
+    context, so they are not independent draws; ``per``: package -> its targets' gains over
+    every set): each package's mean gain with a one-sample t statistic over the packages (every
+    package weighs the same), and the mean over targets with a bootstrap interval that resamples
+    whole packages."""
     means = [sum(v) / len(v) for v in per.values()]
     k = len(means)
     mu = sum(means) / k

@@ -97,6 +97,10 @@ def test_recall_values_sensible_below_full_budget(capture):
         assert min(res["recall"]["block_completed"]["0.1"]) >= 1 / res["num_steps"] - 1e-6
     s = summarise([{"example": "x", **p} for p in pairs], 0.1)
     assert s["num_pairs"] == 2 and sum(b["count"] for b in s["fig7"]) == 2 * (config.num_layers - 2)
+    # the unbucketed Fig. 7 group: every (pair, layer), so each bar is the variant's mean at k_o
+    assert s["fig7_all"]["count"] == 2 * (config.num_layers - 2)
+    for v in ("rep_omitted", "rep_draft", "rep_completed"):
+        assert s["fig7_all"][v] == pytest.approx(s["mean"][v]["0.1"])
 
 
 def test_exact_backend_reproduces_the_engines_step0(capture):
