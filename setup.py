@@ -1,6 +1,6 @@
 """Build hook: compiles the C++ selection kernel (herald/csrc) into ``herald/_selection*.so``.
 
-The library is plain C++17 with a C ABI, loaded by ``herald/kv/_kernel.py`` through ctypes (it
+The library is plain C++17 with a C ABI, loaded by ``herald/offload/selection/_kernel.py`` through ctypes (it
 is *not* a Python extension module: never ``import herald._selection``). It is declared as an
 optional setuptools Extension so that ``pip install .`` and ``pip install -e .`` build it in a
 fresh, isolated environment without torch or Python headers, and so that a failed build only
@@ -15,7 +15,7 @@ from setuptools.command.build_ext import build_ext
 
 _ROOT = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location(
-    "_herald_kernel_build", _ROOT / "herald" / "kv" / "_kernel_build.py"
+    "_herald_kernel_build", _ROOT / "herald" / "offload" / "selection" / "_kernel_build.py"
 )
 assert _spec is not None and _spec.loader is not None
 _kb = importlib.util.module_from_spec(_spec)

@@ -1,12 +1,19 @@
-"""User-facing configuration: how to decode (SamplingParams) and how to offload (OffloadConfig).
+"""User-facing configuration: how a request decodes (:class:`SamplingParams`), how an engine is
+sized and run (:class:`EngineConfig`) and how an offloading engine selects (:class:`OffloadConfig`).
 
-Frozen dataclasses; the attribute docstrings double as CLI help.
+Frozen dataclasses; the attribute docstrings double as CLI help (:func:`field_help`).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
 import math
-from dataclasses import dataclass
+import re
+import textwrap
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -20,7 +27,7 @@ MAX_DENOISE_STEPS = 4096
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded (DESIGN §5, model spec §1.4 / §2.4).
+    """How one request is decoded (docs/ARCHITECTURE.md, "Block diffusion decoding").
 
     Raises ``ValueError`` from :meth:`validate` on out-of-range values.
     """
@@ -74,9 +81,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MODE_OF_QUERIES = {"representative": "herald", "block": "mage", "proxy": "infinigen"}
+"""Offloading mode of each ``OffloadConfig.selection_queries`` value."""
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Switches of the offloading engine (DESIGN §4). Presets: :meth:`for_mode`.
+    """Switches of the offloading engine (docs/ARCHITECTURE.md, "Modes"). Presets: :meth:`for_mode`.
 
     The four independent ablation switches are ``selection_device``, ``selection_queries``,
     ``lookahead`` and ``kv_budget``; ``output_mode`` picks the CPU kernel's output mode.
@@ -86,12 +97,12 @@ class OffloadConfig:
     """Where the selection's exact attention runs: "cpu" (next to the full KV, the CPU kernel) or
     "gpu" (the full KV of the layer crosses PCIe every block)."""
     selection_queries: str = "representative"
-    """"representative": one [MASK] query at the centre of the next block (paper §IV-A2);
+    """"representative": one [MASK] query at the centre of the next block (HERALD §IV-A2);
     "block": the block's B queries at its first denoising step, exact (MAGE);
     "proxy": the block's B queries on a few proxy channels of a GPU partial-key cache at its
     first step (InfiniGen, once per block)."""
     lookahead: str = "draft"
-    """"draft": select block n+1 from block n's step-0 draft while block n denoises (paper
+    """"draft": select block n+1 from block n's step-0 draft while block n denoises (HERALD
     §IV-A1); "off": select after block n commits (the main stream waits)."""
     kv_budget: float = 0.05
     """k = ceil(kv_budget x prefix) selected entries per KV head per layer, plus the last
@@ -99,15 +110,15 @@ class OffloadConfig:
     output_mode: str = "full"
     """CPU kernel output: "full" (exact attention over the prefix) or "selected"."""
     num_dense_layers: int = 2
-    """The first layers keep their full KV on the GPU and attend exactly (DESIGN §2)."""
+    """The first layers keep their full KV on the GPU and attend exactly (HERALD §IV-B1)."""
     cpu_kv_gb: float | None = None
     """CPU pool size in GiB (default: what the engine's max batch and length need)."""
     cpu_kv_tokens: int | None = None
     """CPU pool size in tokens (one of ``cpu_kv_gb`` / ``cpu_kv_tokens``; pages of B tokens)."""
     selection_threads: int | None = None
-    """CPU kernel threads (default: all cores this process may use but two, which stay free for
-    the main stream's kernel launches and the retrieval thread's Python; with every core busy in
-    the kernel, the main stream's host side slows down by several times)."""
+    """CPU kernel threads (default: :func:`herald.env.selection_threads`: every core this process
+    may use but two, which stay free for the main stream's kernel launches and the retrieval
+    thread's Python)."""
     proxy_ratio: float = 0.25
     """InfiniGen proxy: fraction of head_dim channels kept in the partial-key cache."""
 
@@ -135,6 +146,12 @@ class OffloadConfig:
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
 
+    @property
+    def mode(self) -> str:
+        """The selection policy these switches run (the policy registry's key):
+        ``herald`` (representative query), ``mage`` (block queries) or ``infinigen`` (proxy)."""
+        return MODE_OF_QUERIES[self.selection_queries]
+
     @staticmethod
     def for_mode(mode: str, **overrides: object) -> OffloadConfig:
         """``herald`` (CPU, representative query, draft lookahead, 5%), ``mage`` (block
@@ -159,6 +176,111 @@ class OffloadConfig:
         cfg = OffloadConfig(**{**presets[mode], **overrides})  # type: ignore[arg-type]
         cfg.validate()
         return cfg
+
+
+MAX_KV_PAD = 65536
+"""The largest ``kv_pad`` accepted (store capacities grow with it)."""
+
+DEFAULT_KV_PAD = 512
+"""The engines' default ``kv_pad``: outputs independent of which requests share the batch, and
+equal between a dense and an offloading engine at budget 1.0, on the CPU and the GPU; cuDNN also
+builds one attention plan per 512 keys instead of one per block (``results/offload/kv_pad/``)."""
+
+
+def check_kv_pad(kv_pad: int, name: str = "kv_pad") -> None:
+    """ValueError unless ``0 <= kv_pad <=`` :data:`MAX_KV_PAD` (the CLI checks it before the
+    model loads, as ``name="--kv-pad"``)."""
+    if isinstance(kv_pad, bool) or not isinstance(kv_pad, int) or not 0 <= kv_pad <= MAX_KV_PAD:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_KV_PAD}], got {kv_pad}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine is sized and run: the same object for the dense engine, the offloading
+    engine, ``herald generate``, ``herald serve`` and the benchmarks, so that what is served is
+    what is measured. ``offload`` None means the dense engine. Raises ``ValueError`` from
+    :meth:`validate` (called by every engine) on out-of-range values.
+    """
+
+    max_batch_size: int = 16
+    """Running requests at most: the GPU KV slots (one per request)."""
+    max_seq_len: int = 2048
+    """Tokens per request at most (prompt + generated), rounded up to whole blocks."""
+    prefill_chunk_tokens: int = 4096
+    """Prompt tokens per prefill forward (rounded down to whole blocks, at least one)."""
+    max_prefill_tokens: int | None = None
+    """Prompt tokens prefilled per block boundary at most (rounded down to whole blocks, at
+    least one block); a longer prompt is prefilled in chunks over several boundaries while the
+    running requests keep decoding. None: every admitted prompt is prefilled whole."""
+    max_waiting: int | None = None
+    """Requests waiting beyond the free slots at most; more are refused
+    (:class:`~herald.engine.scheduler.QueueFullError`, HTTP 503). None: unbounded."""
+    kv_pad: int = DEFAULT_KV_PAD
+    """Round attention key lengths up to a multiple of this, masked per row (0 = off): outputs
+    do not depend on which requests share the batch, and cuDNN plans once per this many keys."""
+    use_cuda_graph: bool = True
+    """On CUDA, replay everything but attention from piecewise CUDA graphs, captured once per
+    batch size and forward length."""
+    check_finite: bool = False
+    """Count forwards whose hidden states hold NaN/inf (costs a reduction per forward)."""
+    offload: OffloadConfig | None = None
+    """The offloading engine's switches; None: the dense engine (full KV on the model device)."""
+
+    def validate(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ValueError(
+                f"max_prefill_tokens must be >= 1 or None, got {self.max_prefill_tokens}"
+            )
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        check_kv_pad(self.kv_pad)
+        if self.offload is not None:
+            self.offload.validate()
+
+    @property
+    def mode(self) -> str:
+        """``dense`` or the offloading mode's policy name (``OffloadConfig.mode``)."""
+        return "dense" if self.offload is None else self.offload.mode
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with ``changes`` applied (validated)."""
+        cfg = dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        cfg.validate()
+        return cfg
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right after each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def field_help(cls: type, name: str, default: bool = True) -> str:
+    """CLI help for dataclass field ``name`` of ``cls``: its attribute docstring (reST roles
+    reduced to their text), with the default appended when ``default``. KeyError: no such
+    documented field."""
+    text = _field_docs(cls)[name]
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    text = text.replace("``", "").replace("%", "%%")
+    if default:
+        value = {f.name: f.default for f in fields(cls)}[name]
+        text += f" (default: {value})"
+    return text
 
 
 def resolve_device(name: str | None) -> torch.device:

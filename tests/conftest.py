@@ -21,3 +21,41 @@ def _batch_invariant_cpu_matmul():
     torch.backends.mkldnn.enabled = False
     yield
     torch.backends.mkldnn.enabled = before
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env_settings():
+    """Every test starts from this process's real ``HERALD_*`` switches (``herald.env`` parses
+    them once; a test that sets one calls ``reload_settings()`` after ``monkeypatch.setenv``)."""
+    from herald.env import reload_settings
+
+    reload_settings()
+    yield
+
+
+class _EnvAwareMonkeyPatch:
+    """``monkeypatch`` whose ``setenv`` / ``delenv`` re-parse ``herald.env``'s settings, so a
+    test that sets a ``HERALD_*`` switch runs with it (the library parses them once)."""
+
+    def __init__(self, inner: pytest.MonkeyPatch) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def setenv(self, name: str, value: str, prepend: str | None = None) -> None:
+        from herald.env import reload_settings
+
+        self._inner.setenv(name, value, prepend)
+        reload_settings()
+
+    def delenv(self, name: str, raising: bool = True) -> None:
+        from herald.env import reload_settings
+
+        self._inner.delenv(name, raising)
+        reload_settings()
+
+
+@pytest.fixture
+def monkeypatch(monkeypatch: pytest.MonkeyPatch):  # noqa: F811 - wraps pytest's own
+    return _EnvAwareMonkeyPatch(monkeypatch)

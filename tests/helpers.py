@@ -2,7 +2,7 @@
 
 :class:`ExactAttention` is a tiny, obviously-correct :class:`herald.models.base.AttentionBackend`:
 no KV cache, plain SDPA over the given q/k/v with either full bidirectional attention or the
-block-causal mask of model spec §1.3 / §2.3 (bidirectional inside a block, causal across blocks;
+block-causal mask of docs/MODELS.md §7 (bidirectional inside a block, causal across blocks;
 blocks aligned to index 0 of the given sequence).
 """
 
@@ -55,3 +55,21 @@ class ExactAttention:
         if self.block_size is not None:
             mask = block_causal_mask(q.shape[1], self.block_size, q.device)
         return exact_attention(q, k, v, mask)
+
+
+def make_engine(
+    model,
+    config,
+    offload=None,
+    *,
+    hooks=None,
+    cpu_pool=None,
+    **engine_fields,
+):
+    """An engine the way callers build one: :class:`~herald.config.EngineConfig` from
+    ``engine_fields`` (+ ``offload``), then :func:`herald.engines.build_engine`."""
+    from herald.config import EngineConfig
+    from herald.engines import build_engine
+
+    cfg = EngineConfig(offload=offload, **engine_fields)
+    return build_engine(model, config, cfg, hooks, cpu_pool=cpu_pool)

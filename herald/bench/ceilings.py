@@ -1,8 +1,8 @@
-"""Throughput ceilings (the paper's Fig. 5 analog, issue 5): machine probes and the formulas.
+"""Throughput ceilings (the Fig. 5 analog of HERALD §III-B): machine probes and the formulas.
 
 Each ceiling is "decoded tokens per second if this one resource were the only cost", for blocks
 of B tokens decoded in T denoising steps, a prefix of S tokens and a budget of
-k = ceil(budget x S) selected rows per KV head and offloaded layer (DESIGN §3):
+k = ceil(budget x S) selected rows per KV head and offloaded layer (:func:`budget_rows`):
 
 - **per-step fetch** (MAGE / AR-style offloading: the k selected rows of every offloaded layer
   cross PCIe at every denoising step): ``B / (T x k x bytes_per_token / pcie)``. The batch
@@ -63,7 +63,8 @@ class KVGeometry:
 
 
 def budget_rows(budget: float, prefix: int) -> int:
-    """k = ceil(budget x prefix), at most the prefix (DESIGN §3)."""
+    """k = ceil(budget x prefix), at most the prefix: the rows selected per KV head and
+    offloaded layer at a budget (a fraction of the prefix), as the engines select them."""
     return min(prefix, math.ceil(budget * prefix))
 
 
@@ -159,9 +160,9 @@ def dram_bandwidth(gib: float) -> dict[str, float]:
     """DRAM read bandwidth in GB/s over a ``gib``-sized array (all threads and one thread), the
     selection-kernel benchmark's probe (:func:`herald.bench.kernel.dram_bandwidth`)."""
     from herald.bench.kernel import dram_bandwidth as probe
-    from herald.kv.selection import default_num_threads
+    from herald.env import settings, usable_cpus
 
-    threads = default_num_threads()
+    threads = settings().selection_threads or usable_cpus()
     old = torch.get_num_threads()
     try:
         return probe(math.ceil(gib * 256) / 256, threads)  # whole 4 MiB units (float32 view)

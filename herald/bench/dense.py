@@ -1,4 +1,4 @@
-"""Dense decode throughput at the paper's Dense batch sizes (issue 2 acceptance, DESIGN §6).
+"""Dense decode throughput at the paper's Dense batch sizes (Table II of HERALD §VI-C).
 
 Full-size architectures with random bf16 weights built directly on the GPU (speed does not depend
 on weight values). Each case prefills ``batch`` prompts of ``context`` random tokens, then decodes
@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from herald.bench.common import cap_gpu_memory, command_line, machine_info, write_json
-from herald.config import SamplingParams
+from herald.config import DEFAULT_KV_PAD, EngineConfig, SamplingParams
 from herald.engine.dense import DenseEngine
-from herald.kv.dense_cache import DEFAULT_KV_PAD
 
 # (preset, context tokens, batch) from the paper's Table II Dense column, and its tokens/s (H100).
 PAPER_DENSE = [
@@ -48,14 +47,10 @@ def run_case(
     g = torch.Generator().manual_seed(seed)
     hi = min(config.vocab_size, config.mask_token_id, *config.eos_token_ids)
     prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
-    engine = DenseEngine(
-        model,
-        config,
-        max_batch_size=batch,
-        max_seq_len=context + new_tokens,
-        check_finite=True,
-        kv_pad=kv_pad,
+    ecfg = EngineConfig(
+        max_batch_size=batch, max_seq_len=context + new_tokens, check_finite=True, kv_pad=kv_pad
     )
+    engine = DenseEngine(model, config, ecfg)
     params = SamplingParams(max_new_tokens=new_tokens, num_denoise_steps=steps, ignore_eos=True)
     # Warm-up at the measured batch size (CUDA-graph capture, cuDNN plans), as a server does once
     # at start-up; then reset the counters.
@@ -112,7 +107,7 @@ def write_report(json_path: Path) -> Path:
     m = d["machine"]
     cap = d.get("gpu_memory_cap_gb")
     lines = [
-        "# Dense decode throughput (issue 2)",
+        "# Dense decode throughput (HERALD §VI-C)",
         "",
         f"`{d['command']}` on {m['date_utc']}: {m.get('gpu')} ({m.get('gpu_memory_gib')} GiB"
         f"{f', capped at {cap} GB' if cap else ''}), {m.get('cpu_model')} x{m.get('cpu_count')}, "
@@ -164,7 +159,7 @@ weights, 1.6 GB/layer, are read every forward) ~10.5 ms at ~3.1 TB/s; exact atte
 ~5.4 ms, at the HBM floor for 21 GB of K/V; ~14 ms of small kernels. Fusing RMSNorm, RoPE,
 SwiGLU and the MoE router/combine with torch.compile cut the median forward from ~31 to ~25 ms.
 What remains: the grouped GEMM at ~70% of HBM bandwidth (a fused MoE kernel reading each expert
-once at full bandwidth would save ~3 ms), the fp32 router GEMM (fp32 as the model specifies), the
+once at full bandwidth would save ~3 ms), the fp32 router GEMM (fp32 as the model defines it), the
 sampling pass over 157K-vocabulary fp32 logits, and the 21st (commit) forward per block.
 
 ## Caveats

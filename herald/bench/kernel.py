@@ -1,4 +1,4 @@
-"""Selection-kernel benchmark (DESIGN §6 "Kernel", issue 3): throughput vs number of queries.
+"""Selection-kernel benchmark (the fused CPU kernel of HERALD §IV-B4): throughput vs queries.
 
 Run on the GPU machine's CPU::
 
@@ -7,8 +7,9 @@ Run on the GPU machine's CPU::
     python -m herald.bench.kernel --report results/kernel        # README + plot from kernel.json
 
 In one run: DRAM read bandwidth (torch sum over a 4 GiB bf16 array and the library's own read
-probe; all threads and one thread), a correctness check of every path (AVX-512 fp32-FMA,
-AVX-512 vdpbf16ps, portable, PyTorch fallback, naive PyTorch) against the float64 reference, then
+probe; all threads and one thread), a correctness check of every path
+(:mod:`herald.bench.kernel_paths`: AVX-512 fp32-FMA, AVX-512 vdpbf16ps, portable, PyTorch
+fallback, naive PyTorch) against the float64 reference, then
 selection time for n_q in 1..32 at 16K/32K prefix, LLaDA2.0-mini (4 KV heads) and SDAR-8B (8 KV
 heads) shapes (G = 4, D = 128, page 32), both output modes, 5% budget, one layer of a batch whose
 K is >= 1 GiB, beside the naive PyTorch path (gather, bf16 matmul, softmax, topk) on the same
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from herald.bench.kernel_paths import check_paths, naive_select
 from herald.bench.kernel_report import (
     BUDGET,
     PAGE,
@@ -43,9 +45,14 @@ from herald.bench.kernel_report import (
     log,
     write_report,
 )
-from herald.kv import _kernel
-from herald.kv.selection import default_num_threads, gather_selected, kernel_info, select_topk
-from herald.kv.selection_ref import select_topk_torch
+from herald.env import overridden, settings, usable_cpus
+from herald.offload.selection import _kernel
+from herald.offload.selection.cpu import gather_selected, kernel_info, select_topk
+
+
+def _all_threads() -> int:
+    """The kernel benchmark's threads: ``HERALD_SELECTION_THREADS``, else every usable CPU."""
+    return settings().selection_threads or usable_cpus()
 
 
 def timed(fn: Callable[[], object], min_reps: int, max_reps: int, budget_s: float) -> list[float]:
@@ -86,7 +93,7 @@ def machine_info() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     info["cpu_count"] = os.cpu_count()
-    info["threads_used"] = default_num_threads()
+    info["threads_used"] = _all_threads()
     info["torch"] = torch.__version__
     info["kernel"] = kernel_info()
     return info
@@ -115,131 +122,6 @@ def dram_bandwidth(gib: float, threads: int) -> dict[str, float]:
     return out
 
 
-def naive_select(
-    q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    budget: torch.Tensor,
-    mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What one would write in PyTorch: gather pages, bf16 matmul, softmax, sum, topk."""
-    n_req, n_q, h, d = q.shape
-    hkv, p = k_pages.shape[1], k_pages.shape[2]
-    g = h // hkv
-    out = torch.empty(n_req, n_q, h, d)
-    k_max = int(torch.minimum(seq_lens, budget).max())
-    idx = torch.full((n_req, hkv, k_max), -1, dtype=torch.int64)
-    for r, (s, b) in enumerate(zip(seq_lens.tolist(), budget.tolist(), strict=True)):
-        ids = page_table[r, : (s + p - 1) // p].long()
-        keys = k_pages[ids].transpose(0, 1).reshape(hkv, -1, d)[:, :s]
-        qr = q[r].view(n_q, hkv, g, d).transpose(0, 1).reshape(hkv, n_q * g, d)
-        scores = torch.matmul(qr, keys.transpose(1, 2)).float() * d**-0.5
-        probs = torch.softmax(scores, dim=-1)
-        sel = torch.topk(probs.sum(1), min(b, s), dim=-1).indices.sort(-1).values
-        idx[r, :, : sel.shape[1]] = sel
-        if mode == "full":
-            vals = v_pages[ids].transpose(0, 1).reshape(hkv, -1, d)[:, :s]
-            o = torch.matmul(probs.bfloat16(), vals).float()
-        else:
-            pg = ids[sel // p]
-            vals = v_pages[pg, torch.arange(hkv)[:, None], sel % p]
-            w = torch.softmax(scores.gather(2, sel[:, None, :].expand(-1, n_q * g, -1)), dim=-1)
-            o = torch.matmul(w.bfloat16(), vals).float()
-        out[r] = o.view(hkv, n_q, g, d).transpose(0, 1).reshape(n_q, h, d)
-    return idx, out
-
-
-def sparse_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pt: torch.Tensor,
-    idx: torch.Tensor,
-    budget: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> torch.Tensor:
-    """float64 softmax attention over the rows idx selects (what ``selected`` mode returns)."""
-    n_req, n_q, h, d = q.shape
-    hkv, p = k.shape[1], k.shape[2]
-    g = h // hkv
-    out = torch.empty(n_req, n_q, h, d, dtype=torch.float64)
-    for r in range(n_req):
-        ns = min(int(budget[r]), int(seq_lens[r]))
-        for kh in range(hkv):
-            pos = idx[r, kh, :ns].long()
-            pg = pt[r].long()[pos // p]
-            keys, vals = k[pg, kh, pos % p].double(), v[pg, kh, pos % p].double()
-            qs = q[r, :, kh * g : (kh + 1) * g].double()
-            out[r, :, kh * g : (kh + 1) * g] = torch.softmax(qs @ keys.T * d**-0.5, -1) @ vals
-    return out
-
-
-def check_paths(threads: int) -> list[dict[str, Any]]:
-    """Every path against the float64 reference on a small input, before any timing."""
-    g = torch.Generator().manual_seed(0)
-    hkv, grp, d = SHAPES["llada2-mini"]
-    lens, budgets, n_q = [700, 333, 64], [35, 17, 64], 4
-    pages = [(s + PAGE - 1) // PAGE for s in lens]
-    k = torch.randn(sum(pages) + 2, hkv, PAGE, d, generator=g).bfloat16()
-    v = torch.randn(k.shape, generator=g).bfloat16()
-    q = (torch.randn(len(lens), n_q, hkv * grp, d, generator=g) * 2).bfloat16()
-    perm = torch.randperm(k.shape[0], generator=g).int()
-    pt = torch.full((len(lens), max(pages)), -1, dtype=torch.int32)
-    off = 0
-    for r, n in enumerate(pages):
-        pt[r, :n], off = perm[off : off + n], off + n
-    sl, bt = torch.tensor(lens, dtype=torch.int32), torch.tensor(budgets, dtype=torch.int32)
-    results = []
-    lib = _kernel.load_native()
-    paths = ["avx512", "avx512bf16", "portable", "torch", "naive"]
-    for mode in ("full", "selected"):
-        ref = select_topk_torch(q, k, v, pt, sl, bt, output_mode=mode, return_importance=True)
-        assert ref.importance is not None
-        for path in paths:
-            row: dict[str, Any] = {"path": path, "mode": mode}
-            if (
-                path.startswith("avx512")
-                and not (lib and lib.has_avx512bf16)
-                or (path in ("avx512", "avx512bf16", "portable") and lib is None)
-            ):
-                results.append({**row, "ok": None, "note": "unavailable on this machine"})
-                continue
-            if path == "naive":
-                idx, out = naive_select(q, k, v, pt, sl, bt, mode)
-            else:
-                env = {"HERALD_SELECTION_BACKEND": "torch" if path == "torch" else "native"}
-                if path != "torch":
-                    env["HERALD_SELECTION_ISA"] = path
-                old = {key: os.environ.get(key) for key in env}
-                os.environ.update(env)
-                try:
-                    res = select_topk(q, k, v, pt, sl, bt, output_mode=mode, num_threads=threads)
-                finally:
-                    for key, val in old.items():
-                        os.environ.pop(key) if val is None else os.environ.__setitem__(key, val)
-                idx, out = res.indices.long(), res.attn_output
-            ratio = 1.0
-            for r, s in enumerate(lens):
-                ns = min(budgets[r], s)
-                for h in range(hkv):
-                    imp = ref.importance[r, h, :s].double()
-                    got = float(imp[idx[r, h, :ns]].sum())
-                    ratio = min(ratio, got / float(imp[ref.indices[r, h, :ns].long()].sum()))
-            want = (
-                ref.attn_output.double() if mode == "full" else sparse_ref(q, k, v, pt, idx, bt, sl)
-            )
-            rel = float((out.double() - want).norm() / want.norm())
-            # naive: bf16 scores and probabilities, so looser
-            ok = ratio > 1 - (1e-3 if path == "naive" else 1e-4) and rel < (
-                2e-2 if path == "naive" else 1e-2
-            )
-            results.append({**row, "ok": ok, "rel_err": rel, "mass_ratio": ratio})
-            log(f"check {path:10s} {mode:8s} ok={ok} rel_err={rel:.2e} mass_ratio={ratio:.6f}")
-    return results
-
-
 class Workload:
     """One layer of a batch: K/V pools of >= k_bytes each, random pages per request."""
 
@@ -260,7 +142,7 @@ class Workload:
         pt = torch.randperm(num_pages, generator=g)[: n_req * npg].view(n_req, npg).int()
         q = torch.randn(n_req, n_q, hkv * grp, d, generator=g).bfloat16()
         sl = torch.full((n_req,), s, dtype=torch.int32)
-        bt = torch.full((n_req,), math.ceil(BUDGET * s), dtype=torch.int32)  # DESIGN §3
+        bt = torch.full((n_req,), math.ceil(BUDGET * s), dtype=torch.int32)  # HERALD §IV-B4
         k_bytes = n_req * hkv * s * d * 2
         return {
             "args": (q, k, v, pt, sl, bt),
@@ -268,22 +150,6 @@ class Workload:
             "items": n_req * hkv,
             "k_bytes": k_bytes,
         }
-
-
-def with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        old = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for key, val in old.items():
-                if val is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = val
-
-    return run
 
 
 def sweep(cfg: argparse.Namespace, wl: Workload, dram: float, threads: int) -> list[dict[str, Any]]:
@@ -342,7 +208,8 @@ def extras(
 
     out["prefetch"] = {}
     for spec in ("none", "t0:1", "t0:2", "t0:4", "t1:1", "t1:4", "nta:1"):
-        r = rate(with_env({"HERALD_SELECTION_PREFETCH": spec}, sel()), w1["k_bytes"])
+        with overridden({"HERALD_SELECTION_PREFETCH": spec}):
+            r = rate(sel(), w1["k_bytes"])
         out["prefetch"][spec] = r
         log(
             f"prefetch {spec:6s} n_q=1 selected: {r['gbs']:6.1f} GB/s ({100 * r['frac_dram']:.1f}%)"
@@ -357,7 +224,8 @@ def extras(
                 if isa == "portable" and n_q > 1:
                     continue  # slow and not a production path
                 nbytes = w["k_bytes"] * (2 if mode == "full" else 1)
-                r = rate(with_env({"HERALD_SELECTION_ISA": isa}, sel(w["args"], mode)), nbytes, 2)
+                with overridden({"HERALD_SELECTION_ISA": isa}):
+                    r = rate(sel(w["args"], mode), nbytes, 2)
                 out["isa"].append({"isa": isa, "n_q": n_q, "mode": mode, **r})
                 log(
                     f"isa {isa:10s} n_q={n_q:2d} {mode:8s}: {r['best_s'] * 1e3:8.2f} ms "
@@ -387,7 +255,10 @@ def extras(
 
 
 def summarize(runs: list[dict[str, Any]], dram: dict[str, float]) -> dict[str, Any]:
-    """The three targets of issue 3, each with its numbers."""
+    """The kernel's three targets, each with its numbers: n_q = 1 streams at least
+    :data:`~herald.bench.kernel_report.TARGET_BW_FRAC` of DRAM read bandwidth, the largest n_q
+    -> 1 speeds it up at least :data:`~herald.bench.kernel_report.TARGET_SPEEDUP` times, and the
+    fused kernel beats naive PyTorch at every point."""
     by = {(r["shape"], r["S"], r["mode"], r["n_q"], r["path"]): r for r in runs}
     fused = [r for r in runs if r["path"] == "fused"]
     nq = sorted({r["n_q"] for r in fused})
@@ -470,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     t_start = time.perf_counter()
     cfg.out.mkdir(parents=True, exist_ok=True)
-    threads = default_num_threads()
+    threads = _all_threads()
     torch.set_num_threads(threads)
     args = sys.argv[1:] if argv is None else argv
     res: dict[str, Any] = {

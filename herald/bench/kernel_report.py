@@ -1,8 +1,8 @@
 """README.md and kernel.png of the selection-kernel benchmark (:mod:`herald.bench.kernel`).
 
-Separate so that the report can be regenerated from a kernel.json where matplotlib is
-installed (``python -m herald.bench.kernel --report DIR``), e.g. when the benchmark machine
-lacks it.
+Separate so that the report can be regenerated from a kernel.json where matplotlib (the ``plot``
+extra) is installed (``python -m herald.bench.kernel --report DIR``), e.g. when the benchmark
+machine lacks it: there the README is written and the plot skipped, with one line saying so.
 """
 # ruff: noqa: E501  (markdown rows are clearer on one line)
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+from herald.bench import plotting
 
 SHAPES = {"llada2-mini": (4, 4, 128), "sdar-8b": (8, 4, 128)}  # KV heads, G, head_dim
 PAGE = 32
@@ -29,7 +31,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
     bwt, qs, vn = s["bandwidth"], s["query_speedup"], s["vs_naive"]
     one = res.get("extras", {}).get("one_thread", {})
     lines = [
-        "# Selection kernel benchmark (issue 3)",
+        "# Selection kernel benchmark (HERALD §IV-B4)",
         "",
         f"`{res['command']}` on {res['date']}"
         + (" (**smoke run: tiny sizes**)" if res["smoke"] else ""),
@@ -173,14 +175,17 @@ def write_report(res: dict[str, Any], out: Path) -> None:
         )
     lines += ["", KNOWN_LIMITS, "", "Raw numbers: `kernel.json`; plot: `kernel.png`.", ""]
     (out / "README.md").write_text("\n".join(lines))
-    try:
-        import matplotlib
+    plot_throughput(res, out / "kernel.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib missing: no kernel.png (rerun with --report DIR where it is installed)")
+
+def plot_throughput(res: dict[str, Any], png: Path) -> None:
+    """kernel.png: selection throughput vs n_q per shape and prefix, fused and naive, both
+    output modes, with each mode's DRAM bound; skipped (one line says so) without matplotlib."""
+    plt = plotting.pyplot()
+    if plt is None:
+        plotting.skipped("kernel report (no kernel.png)")
         return
+    dram = res["dram"]
     seqs = sorted({r["S"] for r in res["runs"]})
     fig, axes = plt.subplots(
         len(SHAPES), len(seqs), figsize=(5.5 * len(seqs), 4.2 * len(SHAPES)), squeeze=False
@@ -218,7 +223,7 @@ def write_report(res: dict[str, Any], out: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle("Selection throughput (dotted: DRAM bound per mode; dashed: naive PyTorch)")
     fig.tight_layout()
-    fig.savefig(out / "kernel.png", dpi=110)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
 
 

@@ -1,4 +1,4 @@
-"""HERALD engine run at full size (issue 4 acceptance): per-block main / retrieval / stall times
+"""HERALD engine run at full size (HERALD §IV-B): per-block main / retrieval / stall times
 and GPU memory per request against dense, on the GPU machine.
 
 ``python -m herald.bench.offload --out results/offload`` (defaults: LLaDA2.0-mini, 32K-token
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from herald.bench.common import command_line, machine_info, write_json
-from herald.config import OffloadConfig, SamplingParams
-from herald.engine.offload import OffloadEngine
+from herald.config import EngineConfig, OffloadConfig, SamplingParams
+from herald.offload.engine import OffloadEngine
 
 
 def write_report(json_path: Path) -> Path:
@@ -28,7 +28,7 @@ def write_report(json_path: Path) -> Path:
     d = json.loads(json_path.read_text())
     r, m = d["result"], d["machine"]
     lines = [
-        "# HERALD engine at full size (issue 4)",
+        "# HERALD engine at full size (HERALD §IV-B)",
         "",
         f"`{d['command']}` on {m['date_utc']}: {m.get('gpu')}, {m.get('cpu_model')} "
         f"x{m.get('cpu_count')}, torch {m['torch']}.",
@@ -67,8 +67,8 @@ the fused element-wise kernels). From block 1 on, the retrieval stream (18 offlo
 the CPU kernel over 32 x 32K tokens, plus gather and copies) takes ~0.9 s and is fully hidden
 behind the main stream: the boundary stall is ~0. The main stream itself is slow here (~100 ms a
 forward, eager, with per-request Python loops for the KV hand-offs): this run shows the pipeline
-works at size, it is not yet a throughput measurement (issue 5 owns that, and the main stream
-needs CUDA graphs and batched KV hand-offs first).
+works at size, it is not yet a throughput measurement (`results/throughput` is, and the main
+stream needs CUDA graphs and batched KV hand-offs first).
 
 Found after this run: `pytest -m gpu tests/engine/test_offload.py` (tiny models, requests of
 different lengths, budget 1.0) failed with a non-finite score in the retrieval stream
@@ -120,22 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     base = mem()
     cfg = OffloadConfig.for_mode("herald", kv_budget=args.budget, output_mode=args.output_mode)
     t0 = time.perf_counter()
-    eng = OffloadEngine(
-        model,
-        config,
-        cfg,
-        max_batch_size=args.batch,
-        max_seq_len=seq,
-        use_cuda_graph=args.cuda_graph,
+    ecfg = EngineConfig(
+        max_batch_size=args.batch, max_seq_len=seq, use_cuda_graph=args.cuda_graph, offload=cfg
     )
+    eng = OffloadEngine(model, config, ecfg)
     setup_s = time.perf_counter() - t0
     print(f"engine set up in {setup_s:.1f} s: {eng.cpu_pool.describe()}", flush=True)
-    engine_gpu = (
-        mem() - base
-        if cuda
-        else eng.pool.num_bytes
-        + sum(t.numel() * t.element_size() for t in eng.dense_k + eng.dense_v if t is not None)
-    )
+    engine_gpu = mem() - base if cuda else eng.usage().gpu_kv_bytes
     g = torch.Generator().manual_seed(0)
     hi = min(config.mask_token_id, *config.eos_token_ids)
     prompts = torch.randint(0, hi, (args.batch, args.context), generator=g).tolist()

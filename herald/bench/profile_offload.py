@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from herald.config import OffloadConfig, SamplingParams
-from herald.engine.offload import OffloadEngine
-from herald.kv.dense_cache import DEFAULT_KV_PAD
+from herald.config import DEFAULT_KV_PAD, EngineConfig, OffloadConfig, SamplingParams
+from herald.engine.hooks import EngineHooks, SyntheticPrefill
+from herald.offload.engine import OffloadEngine
 
 
 def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path) -> dict:
@@ -29,16 +29,11 @@ def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path
     )
     seq = args.context + args.blocks * config.block_size
     t0 = time.perf_counter()
-    eng = OffloadEngine(
-        model,
-        config,
-        cfg,
-        max_batch_size=args.batch,
-        max_seq_len=seq,
-        random_prefill=True,
-        kv_pad=args.kv_pad,
-        use_cuda_graph=not args.eager,
-    )
+    ecfg = EngineConfig(
+        max_batch_size=args.batch, max_seq_len=seq, kv_pad=args.kv_pad,
+        use_cuda_graph=not args.eager, offload=cfg,
+    )  # fmt: skip
+    eng = OffloadEngine(model, config, ecfg, EngineHooks(synthetic_prefill=SyntheticPrefill()))
     print(f"[threads={eng.selection_threads}] engine {time.perf_counter() - t0:.1f} s", flush=True)
     hi = min(config.mask_token_id, *config.eos_token_ids)
     params = SamplingParams(
@@ -53,7 +48,7 @@ def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path
     prof = None
     profiled = args.no_profile
     while eng.has_unfinished():
-        label = f"{eng._phase}{eng._block_step}"
+        label = f"{'commit' if eng._in_commit else 'denoise'}{eng._block_step}"
         blk = len(eng.stats.blocks)
         if blk == prof_block and label == "denoise0" and not profiled:
             prof = torch.profiler.profile(

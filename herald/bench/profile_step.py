@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from herald.config import SamplingParams
+from herald.config import EngineConfig, SamplingParams
 from herald.engine.dense import DenseEngine
+from herald.engine.hooks import EngineHooks, SyntheticPrefill
 from herald.models.loader import load_model
 
 
@@ -108,9 +109,8 @@ def main() -> None:
     eng = DenseEngine(
         model,
         config,
-        max_batch_size=args.batch,
-        max_seq_len=args.context + 128,
-        random_prefill=True,
+        EngineConfig(max_batch_size=args.batch, max_seq_len=args.context + 128),
+        EngineHooks(synthetic_prefill=SyntheticPrefill()),
     )
     prompts = torch.randint(0, 1000, (args.batch, args.context)).tolist()
     for p in prompts:

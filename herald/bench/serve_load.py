@@ -28,6 +28,7 @@ import torch
 import uvicorn
 
 from herald.config import OffloadConfig
+from herald.server.defaults import SERVE_DEFAULTS
 from herald.server.launch import build_app
 
 
@@ -96,16 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "dense":
         extra = {} if args.kv_budget is None else {"kv_budget": args.kv_budget}
         offload = OffloadConfig.for_mode(args.mode, **extra)
-    app = build_app(
-        args.model,
-        device=args.device,
-        dtype=dtype,
-        mode=args.mode,
-        offload=offload,
+    engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=1024,
         max_waiting=max(64, args.requests),
+        offload=offload,
     )
+    app = build_app(args.model, engine, device=args.device, dtype=dtype)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

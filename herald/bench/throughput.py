@@ -1,4 +1,4 @@
-"""Decode throughput vs batch size, with measured ceilings (issue 5; DESIGN §6 "Throughput").
+"""Decode throughput vs batch size, with measured ceilings (HERALD §VI-C, §VI-D).
 
 ``herald bench throughput`` (or ``python -m herald.bench.throughput``) sweeps the batch size of
 one engine configuration on one model and context, B = 32, fixed T, and reports decode
@@ -34,15 +34,9 @@ import torch
 
 from herald.bench import throughput_plan as plan
 from herald.bench.throughput_plan import VARIANTS, Sweep
-from herald.bench.throughput_run import (
-    JSONL_NAME,
-    Runner,
-    load_records,
-    log,
-    model_config,
-    pool_page_bytes,
-)
-from herald.kv.dense_cache import DEFAULT_KV_PAD, check_kv_pad
+from herald.bench.throughput_records import JSONL_NAME, load_records, log
+from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
+from herald.config import DEFAULT_KV_PAD, check_kv_pad
 
 __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
 
@@ -364,7 +358,7 @@ def register(subparsers: Any) -> None:
     ) or bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     p = sub.add_parser(
         "throughput",
-        help="decode throughput vs batch size, with measured ceilings (issue 5)",
+        help="decode throughput vs batch size, with measured ceilings (HERALD §VI-C)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""What the throughput benchmark measures (issue 5): variants, sweeps, plans and their parts.
+"""What the throughput benchmark measures (HERALD §VI-C): variants, sweeps, plans and parts.
 
 A *variant* is an engine configuration (dense, or an offloading mode with its switches); a *sweep*
 is one variant on one model and context with a budget, a GPU-memory cap, T and a list of batch

@@ -1,5 +1,6 @@
 """Plots of the throughput report (:mod:`herald.bench.throughput_report`), matplotlib Agg;
-each function returns False, writing nothing, where matplotlib is not installed."""
+each function returns False, writing nothing, where matplotlib is not installed
+(:func:`herald.bench.plotting.pyplot`)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from herald.bench.ceilings import NAMES as CEILING_NAMES
+from herald.bench.plotting import pyplot
 from herald.bench.throughput_plan import VARIANTS
 from herald.bench.throughput_plan import ctx_label as _ctx
 
 Ceilings = Callable[[dict[str, Any]], dict[str, float]]
-
-
-def pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
 
 
 def plot_fig12(

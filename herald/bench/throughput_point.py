@@ -41,17 +41,18 @@ from typing import Any
 
 import torch
 
+from herald.attention.sdpa import padded_kv_len
 from herald.bench.ceilings import KVGeometry, budget_rows
 from herald.bench.throughput_plan import VARIANTS, Sweep
-from herald.config import OffloadConfig, SamplingParams
+from herald.config import DEFAULT_KV_PAD, EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.dense import DenseEngine
-from herald.engine.offload import OffloadEngine
+from herald.engine.hooks import EngineHooks, SyntheticPrefill
 from herald.engine.request import Request
 from herald.kv.cpu_pool import CpuKVPool, CpuPoolFullError
-from herald.kv.dense_cache import DEFAULT_KV_PAD, padded_kv_len
-from herald.kv.selection import gather_selected, select_topk
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
+from herald.offload.engine import OffloadEngine
+from herald.offload.selection.cpu import gather_selected, select_topk
 
 _GIB = 1 << 30
 
@@ -120,7 +121,7 @@ def new_cpu_pool(config: ModelConfig, num_dense: int, num_pages: int) -> CpuKVPo
 
 
 def pages_per_request(context: int, new_tokens: int, block_size: int) -> int:
-    """CPU pool pages one request takes (:meth:`OffloadEngine._pages_needed`): its canvas in
+    """CPU pool pages one request takes (:meth:`KVManager.pages_needed`): its canvas in
     whole blocks, plus the draft / scratch page."""
     return math.ceil((context + new_tokens) / block_size) + 1
 
@@ -172,7 +173,7 @@ def _staging_bytes(
     query, the retrieval worker's, one [2, slots, Hkv, capacity, D] per offloaded layer (the
     sparse pool's capacity, k_cap + 3B padded to ``kv_pad``); with CPU-gathered rows (InfiniGen,
     MAGE with CPU selection), one layer's, [2, slots, Hkv, <= k_cap + 3B, D], reused layer after
-    layer (``OffloadEngine._gather_and_write``); MAGE with GPU selection fetches whole pages
+    layer (``OffloadEngine.gather_and_write``); MAGE with GPU selection fetches whole pages
     without staging. An upper bound; a test checks it against what each engine pins."""
     b = config.block_size
     k_cap = math.ceil(cfg.kv_budget * (-(-seq // b) * b))
@@ -193,15 +194,9 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
     seq = sweep.context + ps.new_tokens
     var = VARIANTS[sweep.variant]
     if not var.offload:
-        eng = DenseEngine(
-            ps.model,
-            ps.config,
-            max_batch_size=batch,
-            max_seq_len=seq,
-            random_prefill=not ps.real_prefill,
-            kv_pad=ps.dense_kv_pad,
-        )
-        return eng, None
+        hooks = None if ps.real_prefill else EngineHooks(synthetic_prefill=SyntheticPrefill())
+        ecfg = EngineConfig(max_batch_size=batch, max_seq_len=seq, kv_pad=ps.dense_kv_pad)
+        return DenseEngine(ps.model, ps.config, ecfg, hooks), None
     assert sweep.budget is not None and ps.cpu_pool is not None
     cfg = var.offload_config(sweep.budget, ps.selection_threads)
     need = batch * pages_per_request(sweep.context, ps.new_tokens, ps.config.block_size)
@@ -219,17 +214,14 @@ def build_engine(ps: PointSettings, sweep: Sweep, batch: int) -> tuple[Any, Offl
         )
     # Synthetic prefill: the pool pages already hold random values (new_cpu_pool), so only the
     # GPU side (dense layers' KV, first block's sparse pool) is filled per request.
-    offload_engine = OffloadEngine(
-        ps.model,
-        ps.config,
-        cfg,
-        max_batch_size=batch,
-        max_seq_len=seq,
-        cpu_pool=ps.cpu_pool,
-        random_prefill=False if ps.real_prefill else "gpu",
-        use_cuda_graph=ps.offload_cuda_graph,
-        kv_pad=ps.kv_pad,
-    )
+    hooks = None
+    if not ps.real_prefill:
+        hooks = EngineHooks(synthetic_prefill=SyntheticPrefill(cpu_pages=False))
+    ecfg = EngineConfig(
+        max_batch_size=batch, max_seq_len=seq, use_cuda_graph=ps.offload_cuda_graph,
+        kv_pad=ps.kv_pad, offload=cfg,
+    )  # fmt: skip
+    offload_engine = OffloadEngine(ps.model, ps.config, ecfg, hooks, cpu_pool=ps.cpu_pool)
     return offload_engine, cfg
 
 
@@ -253,7 +245,7 @@ def run_blocks(engine: Any, reqs: list[Request], ps: PointSettings, steps: int) 
     sync = _sync_main(ps.device)
     # a rehearsed point's engine ran one pass before: its prefill time and its blocks' stats
     prefill0 = engine.stats.prefill_seconds
-    blocks0 = len(getattr(engine.stats, "blocks", None) or ())
+    blocks0 = len(engine.stats.blocks)
     warm, target = ps.warmup_blocks, ps.warmup_blocks + ps.timed_blocks
     marks: list[float] = []  # host clock at each block boundary
     tokens: list[int] = []  # generated tokens so far, at each boundary
@@ -299,7 +291,7 @@ def run_blocks(engine: Any, reqs: list[Request], ps: PointSettings, steps: int) 
         "commit_median_s": statistics.median(blk[-1] for blk in timed),
     }
     out["decode_tokens_per_s"] = out["generated_tokens"] / out["decode_seconds"]
-    stats_blocks = getattr(engine.stats, "blocks", None)
+    stats_blocks = engine.stats.blocks  # offloading engines time their lockstep blocks
     if stats_blocks:
         mine = stats_blocks[blocks0 + warm : blocks0 + warm + len(timed)]
         out["block_main_s"] = [x.main for x in mine]

@@ -1,9 +1,9 @@
-// Plain C ABI of the CPU selection kernel (DESIGN §3, paper §IV-B4).
+// Plain C ABI of the CPU selection kernel (HERALD §IV-B4).
 //
-// Loaded from Python through ctypes (herald/kv/_kernel.py mirrors these structs field by field;
-// bump HERALD_ABI_VERSION on any change). No libtorch, no Python headers: every tensor is a raw
-// pointer plus the sizes and strides needed to read it. All element types are fixed:
-// bf16 as uint16_t, int32 indices, fp32 outputs.
+// Loaded from Python through ctypes (herald/offload/selection/_kernel.py mirrors these structs
+// field by field; bump HERALD_ABI_VERSION on any change). No libtorch, no Python headers: every
+// tensor is a raw pointer plus the sizes and strides needed to read it. All element types are
+// fixed: bf16 as uint16_t, int32 indices, fp32 outputs.
 #pragma once
 
 #include <stdint.h>

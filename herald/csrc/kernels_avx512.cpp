@@ -1,4 +1,4 @@
-// AVX-512 kernels of the selection kernel (paper §IV-B4), fp32-FMA variant (the default).
+// AVX-512 kernels of the selection kernel (HERALD §IV-B4), fp32-FMA variant (the default).
 //
 // bf16 K/V are widened to fp32 once per element (a shift or a mask) and multiplied with
 // vfmadd231ps. On Sapphire/Emerald Rapids that is twice the multiply-add rate of vdpbf16ps zmm

@@ -1,4 +1,4 @@
-// Driver of the fused attention + top-k selection kernel (DESIGN §3, paper §IV-B4).
+// Driver of the fused attention + top-k selection kernel (HERALD §IV-B4).
 //
 // Work item = (request r, KV head h): Qn = n_q * G query rows against S prefix keys held in
 // pages. Per item, in three steps:

@@ -1,4 +1,4 @@
-// Top-k selection over an importance vector (DESIGN §3: "one top-k pass over imp").
+// Top-k selection over an importance vector (HERALD §IV-B4: one top-k pass per KV head).
 //
 // Keys are the bit patterns of non-negative floats, so integer order = float order. Instead of a
 // heap we find the k-th largest key with two 11-bit radix histograms and a partial sort of the

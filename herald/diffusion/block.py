@@ -1,4 +1,4 @@
-"""Block layout of one request (DESIGN §5; model spec §1.4, §2.4).
+"""Block layout of one request (docs/MODELS.md §7, §10).
 
 Blocks are aligned to absolute position 0: the prompt occupies positions ``0..P-1``, the whole
 prompt blocks ``0 .. (P // B) * B`` are prefilled, and the first decoded block holds the prompt tail

@@ -1,7 +1,7 @@
 """Token sampler: logits -> (token, confidence) for the masked positions of a block.
 
 Confidence is the probability of the chosen token under the (filtered) distribution that chose it,
-as in the reference generators (model spec §1.4 "Notes", §2.4). Greedy decoding takes the argmax
+as in the reference generators (docs/MODELS.md §8). Greedy decoding takes the argmax
 and its softmax probability; it is deterministic. The mask token itself is never chosen (its logit
 is set to -inf first, as dInfer does), so an accepted position can never hold the mask id.
 """

@@ -1,8 +1,8 @@
-"""Unmask policy: which masked positions of a block accept their token at this step (DESIGN §5).
+"""Unmask policy: which masked positions of a block accept their token at this step.
 
 Two modes, per request:
 - threshold: every masked position with confidence strictly greater than ``threshold``, and at
-  least the single most confident masked position (model spec §2.4: ``conf > thr`` else top-1).
+  least the single most confident masked position (docs/MODELS.md §9: ``conf > thr`` else top-1).
 - fixed steps T: exactly ``ceil(masks_left / steps_left)`` most confident masked positions, so the
   block completes in T steps (or in ``masks_left`` steps if that is smaller).
 The fallback count is clamped to the masks left; accepted positions are never re-masked (the caller

@@ -14,6 +14,9 @@ Static buffers are only written on the current stream, in order with the replays
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -81,7 +84,8 @@ class PiecewiseGraphForward:
         if not self._captured:
             # NOTE: capturing also executes every layer once (each graph is replayed right after
             # its capture, attention eagerly in between), so this call's output is valid.
-            self._capture(hidden0, positions, attn)
+            with _no_garbage_collection():
+                self._capture(hidden0, positions, attn)
             return self.model.final_norm(self._hidden[-1])
         assert self._positions is not None
         self._hidden[0].copy_(hidden0)
@@ -93,3 +97,22 @@ class PiecewiseGraphForward:
             self._attn_out[i].copy_(attn.forward(layer.layer_id, q, k, v))
             gb.replay()
         return self.model.final_norm(self._hidden[-1])
+
+
+@contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Collect garbage now, then keep the collector off for the duration of a capture.
+
+    NOTE: a collection during a capture may free an unreachable engine whose finalizers call
+    CUDA (a pinned pool unregistering after ``torch.cuda.synchronize``, old graphs resetting),
+    which invalidates the capture; the collector runs in whatever thread allocates, so it is
+    switched off process-wide, for the few seconds a capture takes.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

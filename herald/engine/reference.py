@@ -1,44 +1,22 @@
 """No-cache reference decoder: the specification the cached engines are tested against.
 
-Mirrors the HF ``LLaDA2MoeModelLM.generate`` structure (model spec §2.4): at every denoising step
-the whole canvas up to the end of the current block is re-forwarded with the block-causal mask
-(bidirectional inside a block, causal across blocks) and the current block's logits are read. No KV
-is kept, so there is no commit forward. One request at a time; slow by design.
+Mirrors the structure of LLaDA2.0's reference ``generate`` (docs/MODELS.md): at every denoising
+step the whole canvas up to the end of the current block is re-forwarded with the block-causal
+mask (bidirectional inside a block, causal across blocks) and the current block's logits are read.
+No KV is kept, so there is no commit forward. One request at a time; slow by design.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from herald.attention.block_causal import BlockCausalAttention
 from herald.config import SamplingParams
 from herald.diffusion.block import BlockLayout
 from herald.diffusion.sampler import sample_tokens
 from herald.diffusion.unmask import min_accept_count, select_unmask
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
-
-
-class BlockCausalAttention:
-    """AttentionBackend for a full re-forward: tokens attend within and to earlier blocks only."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        n = q.shape[1]
-        blk = torch.arange(n, device=q.device) // self.block_size
-        mask = blk[None, :] <= blk[:, None]  # [L, L]: key block <= query block
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        return o.transpose(1, 2)
 
 
 @torch.inference_mode()

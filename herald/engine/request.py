@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from herald.config import SamplingParams
 from herald.diffusion.block import BlockLayout
+from herald.kv.manager import RequestTooLarge
 
 _ids = itertools.count()
 
@@ -22,18 +21,21 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # an EOS token was generated
     FINISHED_LENGTH = "finished_length"  # max_new_tokens reached
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # a step that ran it failed; ``Request.error`` says why
 
     @property
     def finished(self) -> bool:
         return self.value.startswith("finished")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are found in queues and batches by ``is``
 class Request:
     """A prompt plus its decoding state.
 
     ``output_ids`` are the generated tokens (the prompt is not included; a stopping EOS is not
     included either). ``steps_per_block`` records the denoising steps each completed block took.
+    A request stays ``WAITING`` while it is prefilled and becomes ``RUNNING`` when it joins the
+    decode batch.
     """
 
     prompt_ids: list[int]
@@ -47,6 +49,7 @@ class Request:
     # Decode position: absolute start of the current block; KV of [0, block_start) is committed.
     block_start: int = 0
     steps_in_block: int = 0
+    error: BaseException | None = None
 
     def __post_init__(self) -> None:
         self.params.validate()
@@ -63,6 +66,7 @@ class Request:
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self.status)
 
     @property
@@ -89,27 +93,22 @@ def new_request(
     """Build a :class:`Request` after the checks every engine makes before queueing it.
 
     Raises:
-        ValueError: bad sampling params, an empty prompt, a prompt + ``max_new_tokens`` longer
-            than ``max_seq_len`` (in whole blocks), or token ids outside ``[0, vocab_size)``.
+        ValueError: bad sampling params or an empty prompt.
+        RequestTooLarge (a ValueError): a prompt + ``max_new_tokens`` longer than
+            ``max_seq_len`` (in whole blocks), or token ids outside ``[0, vocab_size)``.
     """
     req = Request(list(prompt_ids), params, block_size)
     if req.layout.total_len > max_seq_len:
-        raise ValueError(
+        raise RequestTooLarge(
             f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-            f"needs {req.layout.total_len} tokens, more than max_seq_len={max_seq_len}"
+            f"needs {req.layout.total_len} tokens, more than max_seq_len={max_seq_len}",
+            code="context_length_exceeded",
         )
     bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt holds token ids outside the vocabulary: {bad[:5]}")
+        raise RequestTooLarge(
+            f"prompt holds token ids outside the vocabulary: {bad[:5]}",
+            param="prompt",
+            code="invalid_token_ids",
+        )
     return req
-
-
-def abort_request(request: Request, waiting: deque[Request]) -> None:
-    """Mark ``request`` ``FINISHED_ABORTED``; a waiting one also leaves ``waiting`` (the engine's
-    queue). A finished request is left as it is. The engine frees a running one's KV later."""
-    if request.status.finished:
-        return
-    if request.status == RequestStatus.WAITING:
-        with contextlib.suppress(ValueError):
-            waiting.remove(request)
-    request.status = RequestStatus.FINISHED_ABORTED

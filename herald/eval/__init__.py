@@ -1,14 +1,23 @@
-"""Accuracy evaluation (``herald eval``, issue 6): long-context code tasks built at run time from
-the local Python standard library, run through every engine mode, and selection-recall analyses.
+"""Accuracy evaluation (``herald eval``, the HERALD §VI-B analogs): long-context code tasks built
+at run time from the local Python standard library, run through every engine mode, and
+selection-recall analyses.
 
 Map:
 
 - :mod:`herald.eval.sources`: the stdlib corpus (which files, their hashes, imports, relatedness).
-- :mod:`herald.eval.tasks`: example builders (RepoBench-P-style line completion, long-range
-  identifier recall), deterministic for a seed, with the selection recorded.
+- :mod:`herald.eval.tasks`: the tasks, their examples and :func:`~herald.eval.tasks.build_examples`
+  (RepoBench-P-style line completion, long-range identifier recall), deterministic for a seed,
+  with the selection recorded; the builders: :mod:`herald.eval.line_task` (target lines:
+  :mod:`herald.eval.line_targets`), :mod:`herald.eval.recall_task`; shared text helpers:
+  :mod:`herald.eval.task_text`.
 - :mod:`herald.eval.metrics`: output post-processing, exact match, edit similarity.
 - :mod:`herald.eval.runner`: one "unit" = one (task, context, mode, budget) run through an engine.
-- :mod:`herald.eval.recall`: Fig. 7 / Fig. 9 analogs from data captured on a dense run.
-- :mod:`herald.eval.report`: merged results JSON, markdown tables and plots.
-- :mod:`herald.eval.cli`: the ``herald eval`` subcommand.
+- :mod:`herald.eval.recall`: Fig. 7 / Fig. 9 analogs from data captured on a dense run
+  (:mod:`herald.eval.recall_capture`).
+- :mod:`herald.eval.report`: merged results JSON, README and plots; its parts:
+  :mod:`herald.eval.summary` (Table I numbers), :mod:`herald.eval.acceptance`,
+  :mod:`herald.eval.stats` (bootstrap intervals), :mod:`herald.eval.report_markdown`,
+  :mod:`herald.eval.plots` (needs the ``plot`` extra).
+- :mod:`herald.eval.cli`: the ``herald eval`` subcommand; its checks
+  (:mod:`herald.eval.cli_checks`) and recorded example selections (:mod:`herald.eval.selection`).
 """

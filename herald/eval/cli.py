@@ -1,4 +1,4 @@
-"""``herald eval``: the whole accuracy evaluation in one command (issue 6).
+"""``herald eval``: the whole accuracy evaluation in one command (HERALD §VI-B analogs).
 
 Plans units (:func:`herald.eval.runner.plan_units`), builds each (task, context)'s examples once,
 runs the units in priority order and writes, under ``--out``:
@@ -17,7 +17,6 @@ the report from the results already under ``--out`` (parts copied into sub-folde
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from herald.config import resolve_device
+from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
 from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
 from herald.eval.tasks import LINE_SETTINGS, TASKS, TaskConfig
@@ -149,159 +149,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Every flag checked before the model loads or --out is touched (errors name the flag)."""
-    args.contexts = list(dict.fromkeys(args.contexts))  # a repeated context would run twice
-    positive = {
-        "--num-examples": args.num_examples,
-        "--batch-size": args.batch_size,
-        "--control-tokens": args.control_tokens,
-        "--infile-tokens": args.infile_tokens,
-        "--min-distance": args.min_distance,
-        "--analysis-blocks": args.analysis_blocks,
-        "--selection-threads": args.selection_threads,
-        "--steps": args.steps,
-    }
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.analysis_examples < 0:
-        n = args.analysis_examples
-        raise ValueError(f"--analysis-examples must be >= 0 (0 = off), got {n}")
-    if args.time_limit is not None and not args.time_limit > 0:
-        raise ValueError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
-    for flag, values in (
-        ("--budgets", args.budgets),
-        ("--threshold", [args.threshold]),
-        ("--oracle-budget", [args.oracle_budget]),
-    ):
-        if any(not 0.0 < v <= 1.0 for v in values):  # also refuses nan
-            shown = values if flag == "--budgets" else values[0]
-            raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
-    if any(c <= args.control_tokens for c in args.contexts):
-        raise ValueError(
-            f"--contexts {' '.join(map(str, args.contexts))}: every context must exceed "
-            f"--control-tokens {args.control_tokens}"
-        )
-    for ctx in args.contexts if "line" in args.task else []:
-        cap = TaskConfig(infile_tokens=args.infile_tokens).infile_cap(ctx)
-        if cap < args.control_tokens:
-            raise ValueError(
-                f"line at context {ctx}: the in-file context (min(--infile-tokens "
-                f"{args.infile_tokens}, context / 2) = {cap} tokens) is shorter than "
-                f"--control-tokens {args.control_tokens}, so the no-context control would see "
-                "cross-file context; raise --infile-tokens or lower --control-tokens"
-            )
-    if "recall" in args.task and min(args.contexts) < args.min_distance + 64:
-        raise ValueError(
-            f"recall needs contexts >= --min-distance + 64 ({args.min_distance + 64}); "
-            "lower --min-distance for short contexts"
-        )
-
-
-def _exclusions(
-    paths: list[Path], out: Path
-) -> tuple[dict[str, set[tuple[str, str]]], dict[str, list[str]], dict[str, list[str]]]:
-    """``--exclude-examples``: task -> the (file, target line) pairs of the given example files,
-    task -> the files' selection hashes (recorded, so a resumed run must exclude the same for
-    that task), and task -> the paths given for it. A file under ``out`` is refused: this run
-    rewrites it."""
-    drop: dict[str, set[tuple[str, str]]] = {}
-    hashes: dict[str, set[str]] = {}
-    files: dict[str, list[str]] = {}
-    for path in paths:
-        if path.resolve().is_relative_to(out.resolve()):
-            raise ValueError(
-                f"--exclude-examples {path}: inside --out {out}, whose examples this run "
-                "rewrites; copy it elsewhere or use another --out"
-            )
-        if not path.is_file():
-            raise ValueError(f"--exclude-examples {path}: no such file")
-        try:
-            sel = json.loads(path.read_text())
-            pairs = {(e["file"], e["target"]) for e in sel["examples"]}
-            task, digest = sel["task"], sel["selection_sha256"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"--exclude-examples {path}: not an examples/<task>_<context>.json file of a "
-                f"herald eval run ({type(e).__name__}: {e})"
-            ) from None
-        drop.setdefault(task, set()).update(pairs)
-        hashes.setdefault(task, set()).add(digest)
-        files.setdefault(task, []).append(str(path))
-    return drop, {task: sorted(h) for task, h in sorted(hashes.items())}, files
-
-
-def _model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
-    ckpt_dir = _checkpoint_dir(str(args.model))
-    info = {
-        "name": str(args.model),
-        "architecture": config.architecture,
-        "num_layers": config.num_layers,
-        "num_heads": config.num_heads,
-        "num_kv_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "block_size": config.block_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "random_weights": bool(config.hf_config.get("herald_random_weights")) or ckpt_dir is None,
-    }
-    if ckpt_dir is not None and (ckpt_dir / "config.json").is_file():
-        info["config_sha256"] = hashlib.sha256((ckpt_dir / "config.json").read_bytes()).hexdigest()
-    return info
-
-
-def _checkpoint_dir(model: str) -> Path | None:
-    """The checkpoint directory ``--model`` names (a directory or a bundled checkpoint), or None
-    for a random-weight preset."""
-    from herald.models.loader import bundled_checkpoint
-
-    return Path(model) if Path(model).is_dir() else bundled_checkpoint(model)
-
-
-_RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples", "exclude_examples")
-"""Settings a unit already under --out must share with this command to be skipped (the device
-may differ: parts of one evaluation can run on different machines)."""
-_OTHER_TASK_KEYS = {
-    "line": ("min_distance", "distance_margin"),
-    "recall": ("infile_tokens", "min_package_chars", "line_setting"),
-}
-"""Task settings that do not change a unit of this task (not compared on resume)."""
-
-
-def _check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
-    """Refuse to mix settings in one --out: a finished unit run with other settings would be
-    skipped and reported as if this command had run it."""
-    new = json.loads(json.dumps(config))  # as it would be stored (tuples -> lists)
-    for u in units:
-        path = runs / f"{u.key}.json"
-        if not path.is_file():
-            continue
-        old = json.loads(path.read_text()).get("config", {})
-        diff = []
-        for key in _RESUME_KEYS:
-            if key not in old or old[key] == new[key]:
-                continue  # older results may lack a key: nothing to compare
-            if key == "exclude_examples":  # only this unit's task's exclusions change it
-                was = old[key] if isinstance(old[key], dict) else {u.task: old[key]}  # 1st form
-                if was.get(u.task, []) != new[key].get(u.task, []):
-                    diff.append(f"{key}.{u.task}: {was.get(u.task)} -> {new[key].get(u.task)}")
-                continue
-            if isinstance(old[key], dict) and isinstance(new[key], dict):
-                skip = _OTHER_TASK_KEYS.get(u.task, ()) if key == "tasks" else ()
-                diff += [
-                    f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
-                    for k in sorted(old[key].keys() | new[key].keys())
-                    if old[key].get(k) != new[key].get(k) and k not in skip
-                ]
-            else:
-                diff.append(f"{key}: {old[key]!r} -> {new[key]!r}")
-        if diff:
-            raise ValueError(
-                f"{path} was run with other settings ({'; '.join(diff)}); rerun with the same "
-                "settings to continue, or use a new --out"
-            )
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from herald.eval.report import record_planned, write_report
 
@@ -309,8 +156,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.report:
         print(f"wrote {write_report(out)}")
         return 0
-    _check(args)
-    excluded, excluded_hashes, excluded_files = _exclusions(args.exclude_examples, out)
+    check_args(args)
+    excluded, excluded_hashes, excluded_files = exclusions(args.exclude_examples, out)
     for task in sorted(set(excluded_files) - set(args.task)):
         print(
             f"NOTE: --exclude-examples {' '.join(excluded_files[task])}: {task} examples, "
@@ -322,8 +169,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from herald.bench.common import command_line, machine_info
     from herald.eval.recall import run_analysis
     from herald.eval.runner import run_unit
-    from herald.eval.sources import Corpus, fingerprint
-    from herald.eval.tasks import build_examples, selection_hash
+    from herald.eval.selection import select_examples
+    from herald.eval.sources import Corpus
+    from herald.eval.tasks import selection_hash
     from herald.models.loader import load_model
 
     device = resolve_device(args.device)
@@ -364,7 +212,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 f"--contexts {too_long[0]}: the {task} task fits at most {limit} prompt tokens "
                 f"in this model (max_position_embeddings {config.max_position_embeddings})"
             )
-    info = _model_info(args, config)
+    info = model_info(args, config)
     if info["random_weights"]:
         print(f"NOTE: '{args.model}' has RANDOM weights: scores are noise.", file=sys.stderr)
     units = plan_units(
@@ -388,7 +236,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "exclude_examples": excluded_hashes,
         "device": str(device),
     }
-    _check_resume(runs, units, run_config)
+    check_resume(runs, units, run_config)
     runs.mkdir(parents=True, exist_ok=True)
     (out / "examples").mkdir(exist_ok=True)
     todo = [u for u in units if not (runs / f"{u.key}.json").is_file()]
@@ -406,50 +254,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     def examples_for(task: str, context: int) -> list[Any]:
         if (task, context) not in examples:
-            t0 = time.perf_counter()
-            drop = excluded.get(task, set())
-            n_build = args.num_examples + len(drop)  # enough that n remain after the exclusion
-            exs = build_examples(task, corpus, tokenizer, context, n_build, tcfg)
-            if drop:
-                n_built = len(exs)
-                exs = [e for e in exs if (e.meta["file"], e.target) not in drop]
-                print(
-                    f"{task} at {context}: {n_built - len(exs)} of {n_built} built examples "
-                    f"excluded (--exclude-examples)",
-                    file=sys.stderr,
-                )
-            exs = exs[: args.num_examples]
-            if not exs:
-                raise ValueError(f"no {task} example could be built at context {context}")
-            if len(exs) < args.num_examples:
-                print(
-                    f"NOTE: {task} at {context}: asked for {args.num_examples} examples, the "
-                    f"corpus has {len(exs)} eligible ones; running {len(exs)}",
-                    file=sys.stderr,
-                )
-            sel = {
-                "task": task,
-                "context": context,
-                "effective_context": context,  # checked against the model up front
-                "selection_sha256": selection_hash(exs),
-                "corpus": corpus.describe(),
-                "tokenizer": {"sha256": fingerprint(tokenizer), "model": str(args.model)},
-                "task_config": asdict(tcfg),
-                "build_seconds": time.perf_counter() - t0,
-                "excluded_from": excluded_files.get(task, []),
-                "examples": [{"id": e.example_id, "target": e.target, **e.meta} for e in exs],
-            }
-            path = out / "examples" / f"{task}_{context}.json"
-            if path.is_file():
-                old = json.loads(path.read_text())["selection_sha256"]
-                new = selection_hash(exs)
-                if old != new:
-                    raise ValueError(
-                        f"{path} holds a different selection ({old[:12]} != {new[:12]}: another "
-                        "stdlib, tokenizer, seed or --num-examples); use a new --out"
-                    )
-            path.write_text(json.dumps(sel, indent=1) + "\n")
-            examples[(task, context)] = exs
+            examples[(task, context)] = select_examples(
+                task,
+                context,
+                corpus,
+                tokenizer,
+                tcfg,
+                args.num_examples,
+                drop=excluded.get(task, set()),
+                excluded_from=excluded_files.get(task, []),
+                model=str(args.model),
+                out=out,
+            )
         return examples[(task, context)]
 
     t_start = time.perf_counter()

@@ -27,7 +27,7 @@ def first_line(completion: str) -> str:
     """The predicted next line: the first non-blank line that starts after a line break of the
     completion (RepoBench's scorer likewise takes the first non-empty line). The line task's
     prompt stops before the newline that ends the line above the target (see
-    :func:`herald.eval.tasks.line_prompt_text`), so text before the completion's first newline
+    :func:`herald.eval.line_task.line_prompt_text`), so text before the completion's first newline
     would finish that line, not start the target; ``""`` if the completion has no such line."""
     for line in completion.split("\n")[1:]:
         if line.strip():

@@ -1,17 +1,18 @@
 """Selection recall against the per-step oracle: analogs of the paper's Fig. 7 and Fig. 9.
 
-Data: one dense decode per example (:class:`~herald.engine.dense.DenseEngine`, eager, batch 1)
-with :class:`ForwardRecorder` wrapped around the engine's attention backend, the pattern of the
-offload engine's ``_QueryRecorder``: every forward's post-RoPE q/k/v of every layer is kept. From
-them: the committed KV of the prompt and of each completed block (prefill chunks and commit
-forwards), and the queries and own keys of every denoising step of every block. Everything else
-is computed here from those tensors with exact attention (no engine change):
+Data (:mod:`herald.eval.recall_capture`): one dense decode per example
+(:class:`~herald.engine.dense.DenseEngine`, eager, batch 1) with a recorder wrapped around the
+engine's attention backend, the pattern of the offload engine's ``_QueryRecorder``: every
+forward's post-RoPE q/k/v of every layer is kept. From them: the committed KV of the prompt and
+of each completed block (prefill chunks and commit forwards), and the queries and own keys of
+every denoising step of every block. Everything else is computed here from those tensors with
+exact attention (no engine change):
 
 For each pair of consecutive decoded blocks (n, n+1), S_n = block n's start, S = S_n + B:
 
 - oracle: for every denoising step t of block n+1 (the dense run's), every offloaded layer
   (``layer >= num_dense_layers``) and KV head h, the top-k_o positions of ``[0, S_n)`` by the
-  importance the selection kernel uses (herald.kv.selection_ref): ``imp[s] = sum over the B
+  importance the selection kernel uses (herald.offload.selection.ref): ``imp[s] = sum over the B
   queries and the G query heads of h of softmax(q . k / sqrt(D))[s]``, the softmax over every key
   the step attends to (committed ``[0, S)`` and block n+1's own B keys). Block n itself is not
   ranked: the sparse pool always holds the last completed block.
@@ -22,7 +23,8 @@ For each pair of consecutive decoded blocks (n, n+1), S_n = block n's start, S =
   KV; ``block_draft``: block n+1's B [MASK] queries over ``[0, S_n)`` + the draft + themselves;
   ``block_completed`` (MAGE): the dense run's own step-0 queries of block n+1 (so it equals the
   oracle of step 0); ``proxy`` (InfiniGen): those step-0 queries on the proxy channels
-  (:mod:`herald.kv.proxy`) of the keys; ``rep_draft_selected``: ``rep_draft`` with the
+  (:mod:`herald.offload.selection.proxy`) of the keys; ``rep_draft_selected``: ``rep_draft``
+  with the
   ``selected`` kernel output mode: at every offloaded layer the query's attention output comes
   from the selected rows and the draft only (what the rest of the representative query's forward
   then sees), instead of from all of ``[0, S_n)`` + draft (``full``); ``rep2_draft`` /
@@ -42,12 +44,13 @@ masked after step 0; they differ only where [MASK] itself is the argmax).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from herald.config import SamplingParams
+from herald.eval.recall_capture import Capture, RecordedForward, capture_dense
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 
@@ -92,107 +95,6 @@ class AnalysisConfig:
 
     def all_budgets(self) -> list[float]:
         return sorted({*self.budgets, self.oracle_budget})
-
-
-# -- capture --------------------------------------------------------------------------------------
-@dataclass
-class RecordedForward:
-    """One forward's tensors, row 0 of the batch: q [L, Hq, D], k/v [L, Hkv, D] per layer."""
-
-    start: int
-    length: int
-    q: dict[int, torch.Tensor] = field(default_factory=dict)
-    k: dict[int, torch.Tensor] = field(default_factory=dict)
-    v: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class ForwardRecorder:
-    """Wraps an engine's attention backend (``prepare`` + ``forward``) and keeps each forward's
-    q/k/v (queries only for forwards starting at or after ``keep_queries_from``)."""
-
-    def __init__(self, inner: Any, keep_queries_from: int) -> None:
-        self.inner = inner
-        self.keep_queries_from = keep_queries_from
-        self.forwards: list[RecordedForward] = []
-
-    def prepare(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.prepare(*args, **kwargs)
-        prefix = args[0] if args else kwargs["prefix"]
-        length = args[1] if len(args) > 1 else kwargs["length"]
-        self.forwards.append(RecordedForward(int(prefix[0]), int(length)))
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        f = self.forwards[-1]
-        if f.start >= self.keep_queries_from:
-            f.q[layer_id] = q[0].clone()
-        f.k[layer_id], f.v[layer_id] = k[0].clone(), v[0].clone()
-        return self.inner.forward(layer_id, q, k, v)
-
-
-@dataclass
-class Capture:
-    """A dense decode's recorded tensors.
-
-    ``committed_k/v[layer]``: [Hkv, T, D] (prompt blocks + committed decoded blocks, absolute
-    positions ``[0, T)``); ``steps[start]``: the denoising-step forwards of the block at
-    ``start`` (commit forward excluded); ``block_starts``: decoded blocks in order.
-    """
-
-    prompt_ids: list[int]
-    block_starts: list[int]
-    committed_k: list[torch.Tensor]
-    committed_v: list[torch.Tensor]
-    steps: dict[int, list[RecordedForward]]
-
-
-@torch.inference_mode()
-def capture_dense(
-    model: BlockDiffusionLM,
-    config: ModelConfig,
-    prompt_ids: list[int],
-    num_blocks: int,
-    params: SamplingParams,
-) -> Capture:
-    """Decode ``num_blocks`` blocks after ``prompt_ids`` with the dense engine (EOS ignored) and
-    record them. ``params``: threshold / fixed steps (greedy); its max_new_tokens is replaced."""
-    from dataclasses import replace
-
-    from herald.diffusion.block import BlockLayout
-    from herald.engine.dense import DenseEngine
-
-    b = config.block_size
-    p = replace(params, max_new_tokens=num_blocks * b, ignore_eos=True, temperature=0.0)
-    first = BlockLayout(len(prompt_ids), b, p.max_new_tokens).first_block_start
-    engine = DenseEngine(
-        model,
-        config,
-        max_batch_size=1,
-        max_seq_len=len(prompt_ids) + p.max_new_tokens + 2 * b,
-        use_cuda_graph=False,
-    )
-    rec = ForwardRecorder(engine.attn, keep_queries_from=first)
-    engine.attn = rec  # type: ignore[assignment]
-    req = engine.add_request(prompt_ids, p)
-    while engine.has_unfinished():
-        engine.step()
-    by_start: dict[int, list[RecordedForward]] = {}
-    prefill: list[RecordedForward] = []
-    for f in rec.forwards:
-        (prefill if f.start < first else by_start.setdefault(f.start, [])).append(f)
-    starts = sorted(by_start)
-    committed: list[RecordedForward] = list(prefill)
-    steps: dict[int, list[RecordedForward]] = {}
-    for start, n in zip(starts, req.steps_per_block, strict=False):
-        fs = by_start[start]
-        steps[start] = fs[:n]
-        if len(fs) > n:  # the commit forward (every completed block but the last one)
-            committed.append(fs[n])
-    layers = range(config.num_layers)
-    ck = [torch.cat([f.k[i] for f in committed]).transpose(0, 1) for i in layers]
-    cv = [torch.cat([f.v[i] for f in committed]).transpose(0, 1) for i in layers]
-    return Capture(list(prompt_ids), starts, ck, cv, steps)
 
 
 # -- importance and top-k -------------------------------------------------------------------------
@@ -285,7 +187,7 @@ class _ExactAttention:
 def _proxy_channels(model: BlockDiffusionLM, layers: list[int], ratio: float) -> dict:
     """Per offloaded layer, InfiniGen's proxy channels on the model's device ({} if the layers
     are not QK-norm layers)."""
-    from herald.kv.proxy import proxy_channels
+    from herald.offload.selection.proxy import proxy_channels
 
     dev = next(model.parameters()).device
     try:
@@ -411,7 +313,7 @@ def analyse_pair(
     if proxy_chans is None:
         proxy_chans = _proxy_channels(model, layers, acfg.proxy_ratio)
     if proxy_chans:
-        from herald.kv.proxy import proxy_topk
+        from herald.offload.selection.proxy import proxy_topk
 
         out["proxy"] = {}
         for x in budgets:

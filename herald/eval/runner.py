@@ -2,7 +2,7 @@
 
 Modes: ``dense`` (:class:`~herald.engine.dense.DenseEngine`, the reference), ``control`` (dense
 over only the last ``control_tokens`` prompt tokens: how much the long context matters), and the
-offloading modes ``mage``, ``infinigen``, ``herald`` (:class:`~herald.engine.offload.OffloadEngine`
+offloading modes ``mage``, ``infinigen``, ``herald`` (:class:`~herald.offload.engine.OffloadEngine`
 with :meth:`~herald.config.OffloadConfig.for_mode` and the unit's ``kv_budget``). Every mode
 decodes greedily with the same :class:`~herald.config.SamplingParams`, the examples of a unit
 batched through one engine (up to ``batch_size`` running at once), the model in bfloat16 (the
@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from herald.config import OffloadConfig, SamplingParams
+from herald.config import EngineConfig, OffloadConfig, SamplingParams
 from herald.eval.metrics import HEADLINE, predict, score
 from herald.eval.tasks import Example, selection_hash
 from herald.models.base import BlockDiffusionLM
@@ -125,24 +125,20 @@ def make_engine(
     if mode in ("dense", "control"):
         from herald.engine.dense import DenseEngine
 
-        return DenseEngine(
-            model,
-            config,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
-            use_cuda_graph=False,
+        ecfg = EngineConfig(
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graph=False
         )
+        return DenseEngine(model, config, ecfg)
     if mode not in OFFLOAD_MODES or budget is None:
         raise ValueError(f"unknown mode {mode!r} or missing budget")
-    from herald.engine.offload import OffloadEngine
+    from herald.offload.engine import OffloadEngine
 
     over: dict[str, Any] = {"kv_budget": budget}
     if selection_threads is not None:
         over["selection_threads"] = selection_threads
     offload = OffloadConfig.for_mode(mode, **over)
-    return OffloadEngine(
-        model, config, offload, max_batch_size=max_batch_size, max_seq_len=max_seq_len
-    )
+    ecfg = EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, offload=offload)
+    return OffloadEngine(model, config, ecfg)
 
 
 def generate(

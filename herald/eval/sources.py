@@ -46,7 +46,8 @@ MIN_FILE_CHARS = 400
 
 
 class TextCodec(Protocol):
-    """What the task builders need from a tokenizer (:class:`herald.tokenizer.Tokenizer` fits)."""
+    """What the task builders need from a tokenizer (:class:`~herald.models.tokenizer.Tokenizer`
+    fits)."""
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -1,10 +1,10 @@
-"""The CPU full KV pool: every prefix token's K and V for the offloaded layers (DESIGN §2).
+"""The CPU full KV pool: every prefix token's K and V for the offloaded layers (HERALD §IV-B1).
 
 Owns one CPU allocation ``[num_layers, 2, num_pages, num_kv_heads, page_size, head_dim]`` (K at
 index 0, V at 1), allocated once at start-up and, when CUDA is available, pinned with
-``cudaHostRegister`` in chunks of <= 16 GiB (:mod:`herald.kv.pinned`; device.md: 14x faster than
-``pin_memory=True``, which also rounds sizes up to a power of two), plus the page allocator that
-hands pages to requests.
+``cudaHostRegister`` in chunks of <= 16 GiB (:mod:`herald.kv.pinned`; on an H200 host 96 GiB
+register in ~5 s, 14x faster than ``pin_memory=True``, which also rounds sizes up to a power of
+two), plus the page allocator that hands pages to requests.
 
 A page holds one diffusion block (``page_size`` = block size B) for every layer: block i of a
 request (absolute positions ``[i*B, (i+1)*B)``) lives in the request's i-th page. Layers are the
@@ -13,9 +13,9 @@ layers stay dense on the GPU, so model layer l >= 2 is pool layer l - 2).
 
 Data in: prompt KV copied layer by layer at prefill, each block's clean KV from the commit forward
 (and the draft KV) via :meth:`CpuKVPool.write_block`. Data out: :meth:`k_pages` / :meth:`v_pages`
-plus :meth:`page_table` feed the CPU selection kernel (:func:`herald.kv.selection.select_topk`)
-and the gather of the selected rows, run on the retrieval worker thread; the allocator is guarded
-by a lock for that reason.
+plus :meth:`page_table` feed the CPU selection kernel
+(:func:`herald.offload.selection.cpu.select_topk`) and the gather of the selected rows, run on the
+retrieval worker thread; the allocator is guarded by a lock for that reason.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class CpuKVPool:
         """View ``[num_pages, Hkv, page_size, D]`` of K for pool layer ``layer`` (no copy).
 
         Each ``[page_size, D]`` slab is contiguous and K/V views have equal strides, as
-        :func:`herald.kv.selection.select_topk` requires. IndexError for a layer out of range.
+        :func:`herald.offload.selection.cpu.select_topk` requires. IndexError for a layer out of
+        range.
         """
         return self._kv(layer, 0)
 
@@ -348,10 +349,10 @@ class CpuKVPool:
         One copy per run of consecutive ids (the allocator hands out ascending ids, so a
         request's pages are usually a few runs): no CPU gather. Into CUDA from the pinned pool
         the copies are asynchronous DMAs on the current stream at PCIe speed (MAGE's per-block
-        full-KV fetch, DESIGN §4). NOTE: the caller must neither write these pages nor free them
-        before that stream has passed the copies. A run is split where it would span two pinned
-        registrations (the driver rejects one copy across two, see :mod:`herald.kv.pinned`), and
-        a page that itself spans two is copied in pieces.
+        full-KV fetch, docs/ARCHITECTURE.md). NOTE: the caller must neither write these pages nor
+        free them before that stream has passed the copies. A run is split where it would span
+        two pinned registrations (the driver rejects one copy across two, see
+        :mod:`herald.kv.pinned`), and a page that itself spans two is copied in pieces.
 
         Raises ValueError (``kv``, ``out``'s shape, dtype or layout), TypeError (a ``layer`` or
         page id that is not an integer), IndexError (a page id or ``layer`` out of range).

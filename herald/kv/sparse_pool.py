@@ -1,4 +1,4 @@
-"""GPU sparse KV pools, double-buffered (DESIGN §2, paper §IV-B).
+"""GPU sparse KV pools, double-buffered (HERALD §IV-B1).
 
 Per offloaded layer, per request slot, per KV head, a pool of ``capacity`` rows laid out as
 
@@ -84,7 +84,8 @@ class GpuSparseKVPool:
             ks[layer], vs[layer] = self._k[buffer][i], self._v[buffer][i]
         return ks, vs
 
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` in both buffers (slot compaction)."""
+    def move_slot(self, src: int, dst: int, length: int = 0) -> None:
+        """Copy slot ``src`` into slot ``dst`` in both buffers, every row (slot compaction by
+        the KV manager; ``length``, the request's committed tokens, is not needed here)."""
         for t in self._k + self._v:
             t[:, dst].copy_(t[:, src])

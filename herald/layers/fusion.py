@@ -13,21 +13,30 @@ that happen in an eager warm-up forward, never inside CUDA-graph capture.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
 
+from herald.env import settings
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _RECOMPILE_LIMIT = 64
-_MAIN_THREAD = threading.main_thread()
+_local = threading.local()
+
+
+def run_eagerly_in_this_thread() -> None:
+    """Never compile in the calling thread (its calls run the eager functions). The retrieval
+    worker calls it: Dynamo is not thread-safe, so only the thread that steps the engine (the
+    main thread of a benchmark, the server's engine thread) compiles."""
+    _local.eager = True
 
 
 def compile_enabled() -> bool:
-    return os.environ.get("HERALD_COMPILE", "1") != "0"
+    """``HERALD_COMPILE`` (:mod:`herald.env`) is not ``0``."""
+    return settings().compile
 
 
 def cuda_compiled(fn: F) -> F:
@@ -40,9 +49,9 @@ def cuda_compiled(fn: F) -> F:
         first = args[0]
         if not (isinstance(first, torch.Tensor) and first.is_cuda and compile_enabled()):
             return fn(*args, **kwargs)
-        if torch.compiler.is_compiling() or threading.current_thread() is not _MAIN_THREAD:
+        if torch.compiler.is_compiling() or getattr(_local, "eager", False):
             # Dynamo is not thread-safe: the retrieval worker thread runs the eager function
-            # (its single-token forwards are tiny), only the main thread compiles.
+            # (its single-token forwards are tiny); the engine's thread compiles.
             return fn(*args, **kwargs)
         if compiled is None:
             # Each model config (dims, eps, expert counts) and dtype is its own specialisation;

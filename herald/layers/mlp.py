@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward with a fused gate/up projection (model spec §1.2, §2.2).
+"""SwiGLU feed-forward with a fused gate/up projection (docs/MODELS.md §1, §4, §5).
 
 ``down(silu(gate(x)) * up(x))``. The checkpoint's separate ``gate_proj`` [I, H] and ``up_proj``
 [I, H] are stored as the two row halves of one ``gate_up_proj`` [2I, H] (one matmul instead of two);

@@ -1,6 +1,6 @@
 """BailingMoeV2 (LLaDA2) sparse MoE block: sigmoid router, group-limited top-k, shared expert.
 
-Model spec §2.2 ("MoE block"). Per token ``h`` [H]:
+docs/MODELS.md §6. Per token ``h`` [H]:
 
     r = h_f32 @ W_gate_f32.T                      router logits, float32 [E]
     s = sigmoid(r);  s_b = s + expert_bias        expert_bias selects only, never weights
@@ -47,7 +47,7 @@ def route_tokens(
     topk_group: int,
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-limited sigmoid routing (model spec §2.2).
+    """Group-limited sigmoid routing (docs/MODELS.md §6).
 
     Args:
         router_logits: [T, E] float32.
@@ -139,7 +139,7 @@ class MoEGate(nn.Module):
     """The router: ``weight`` [E, H] (model dtype) and ``expert_bias`` [E] float32 buffer.
 
     HF names ``mlp.gate.weight`` / ``mlp.gate.expert_bias``. ``expert_bias`` is kept float32 on
-    purpose (the HF README's ``model.to(bfloat16)`` rounds it; spec §2.2 precision note); do not
+    purpose (the HF README's ``model.to(bfloat16)`` rounds it; docs/MODELS.md §6); do not
     ``.to(dtype)`` a whole model.
     """
 
@@ -245,5 +245,5 @@ class SparseMoE(nn.Module):
 
 @cuda_compiled
 def combine_experts(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[T, K, H] expert outputs, [T, K] float32 weights -> [T, H], summed in float32 (§2.2)."""
+    """[T, K, H] expert outputs, [T, K] float32 weights -> [T, H], summed in float32."""
     return (y.float() * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)

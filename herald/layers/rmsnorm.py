@@ -1,4 +1,4 @@
-"""RMSNorm as the HF Qwen3 / BailingMoeV2 reference computes it (model spec §1.2, §2.2).
+"""RMSNorm as the HF Qwen3 / BailingMoeV2 reference computes it (docs/MODELS.md §1).
 
 The normalisation runs in float32 and the result is cast back to the activation dtype *before* the
 multiply by the weight: ``w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``. Used for the

@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE), full or partial, NeoX / HF ``rotate_half`` style.
 
-Model spec §1.3 (SDAR: all 128 head dims, theta 1e6) and §2.3 (LLaDA2: the first ``rotary_dim`` =
-64 of 128 dims, theta 6e5, the rest passed through). ``inv_freq`` is computed in float32 exactly as
+docs/MODELS.md §2 (SDAR: all 128 head dims, theta 1e6; LLaDA2: the first ``rotary_dim`` = 64 of
+128 dims, theta 6e5, the rest passed through). ``inv_freq`` is computed in float32 exactly as
 the HF default rope init does; a float32 cos/sin table over positions ``0..max_positions-1`` is
 precomputed once and indexed by a ``[bs, L]`` positions tensor; the gathered cos/sin are cast to the
 activation dtype before they multiply q/k, as in HF.

@@ -2,8 +2,9 @@
 
 A model owns its weights and the per-token math (embedding, QKV projection, QK-norm, RoPE,
 o_proj, FFN, final norm, LM head). It never owns attention over the KV cache: each decoder layer
-hands its post-RoPE ``q, k, v`` to an :class:`AttentionBackend` supplied by the engine, which
-decides what the queries see (a dense cache, a sparse pool, a no-cache block-causal mask, ...).
+hands its post-RoPE ``q, k, v`` to an :class:`~herald.attention.base.AttentionBackend`
+supplied by the engine, which decides what the queries see (a dense cache, a sparse pool, a
+no-cache block-causal mask, ...).
 This split lets one model definition serve the dense engine, the offloading engines and the
 reference decoders unchanged.
 
@@ -14,32 +15,12 @@ selection kernel between a layer's QKV and its FFN) call :meth:`DecoderLayer.qkv
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
+from herald.attention.base import AttentionBackend
 
-class AttentionBackend(Protocol):
-    """Attention over whatever KV the engine keeps, for one layer at a time."""
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Attend the current tokens' queries to the engine's KV plus the current tokens' own KV.
-
-        Args:
-            layer_id: decoder layer index, 0-based.
-            q: [bs, L, num_heads, head_dim], after QK-norm and RoPE, model dtype, model device.
-            k, v: [bs, L, num_kv_heads, head_dim], after K-norm and RoPE (k), model dtype/device.
-                The backend may store them (e.g. into a KV cache) before attending.
-
-        Returns:
-            [bs, L, num_heads, head_dim], same dtype and device as ``q``. Softmax scale is
-            ``head_dim ** -0.5``; query head ``h`` uses KV head
-            ``h // (num_heads // num_kv_heads)``.
-        """
-        ...
+__all__ = ["AttentionBackend", "BlockDiffusionLM", "DecoderLayer"]
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +68,7 @@ class BlockDiffusionLM(nn.Module):
     """A block dLLM: embedding, ``layers`` (ModuleList of :class:`DecoderLayer`), final norm, head.
 
     Logits at position ``i`` predict the token at position ``i`` (no shift), for both architectures
-    (model spec §1.2, §2.4).
+    (docs/MODELS.md §1).
     """
 
     layers: nn.ModuleList

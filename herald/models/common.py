@@ -1,6 +1,6 @@
 """The pre-norm decoder shared by both architectures (everything but the names and the FFN).
 
-SDAR (model spec §1.2-1.3) and LLaDA2 (§2.2-2.3) compute the same layer:
+SDAR and LLaDA2 compute the same layer (docs/MODELS.md §1-§2):
 
     n = input_layernorm(x);  q, k, v = split(W_qkv n) as [Q | K | V] slabs
     q, k = q_norm(q), k_norm(k)           RMSNorm over head_dim, shared by all heads, before RoPE

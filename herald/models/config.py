@@ -1,8 +1,7 @@
 """ModelConfig: one normalised, frozen description of a block dLLM, built from an HF config.json.
 
-Sources: ``shared/reference/model-specs.md`` §1.1 (SDAR-8B-Chat) and §2.1 (LLaDA2.0-mini). Keys that
-the two architectures spell differently are mapped here once, so nothing downstream reads raw HF
-keys.
+Sources: docs/MODELS.md §3 (SDAR-8B-Chat) and §5 (LLaDA2.0-mini). Keys that the two
+architectures spell differently are mapped here once, so nothing downstream reads raw HF keys.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ SDAR_ARCH = "SDARForCausalLM"
 LLADA2_ARCH = "LLaDA2MoeModelLM"
 SUPPORTED_ARCHITECTURES = (SDAR_ARCH, LLADA2_ARCH)
 
-# Per-architecture defaults for keys that the real HF config.json files may lack (model spec §1.1,
-# §2.1): the mask token, the inference block size and the stop ids.
+# Per-architecture defaults for keys that the real HF config.json files may lack (docs/MODELS.md
+# §3, §5): the mask token, the inference block size and the stop ids.
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     SDAR_ARCH: {"mask_token_id": 151669, "block_size": 4, "eos_token_ids": (151645, 151643)},
     LLADA2_ARCH: {"mask_token_id": 156895, "block_size": 32, "eos_token_ids": (156892,)},

@@ -1,13 +1,13 @@
-"""LLaDA2 (``LLaDA2MoeModelLM``): the BailingMoeV2-style MoE block dLLM (model spec §2).
+"""LLaDA2 (``LLaDA2MoeModelLM``): the BailingMoeV2-style MoE block dLLM (docs/MODELS.md §5-§6).
 
-Layer math is :mod:`herald.models.common`: fused ``query_key_value`` ([Q | K | V] slabs, spec
-§2.2), ``query_layernorm``/``key_layernorm`` before partial RoPE (the first ``rotary_dim`` = 64 of
-128 head dims), ``dense`` out projection. Layers ``< first_k_dense_replace`` (layer 0) have a dense
-SwiGLU MLP of ``intermediate_size``; the others a :class:`SparseMoE` (sigmoid router with
-``expert_bias``, group-limited top-k, shared expert).
+Layer math is :mod:`herald.models.common`: fused ``query_key_value`` ([Q | K | V] slabs,
+docs/MODELS.md §5), ``query_layernorm``/``key_layernorm`` before partial RoPE (the first
+``rotary_dim`` = 64 of 128 head dims), ``dense`` out projection. Layers ``< first_k_dense_replace``
+(layer 0) have a dense SwiGLU MLP of ``intermediate_size``; the others a :class:`SparseMoE`
+(sigmoid router with ``expert_bias``, group-limited top-k, shared expert).
 
-Checkpoint names (spec §2.2) are per expert (``mlp.experts.E.gate_proj.weight`` ...); they load
-into the stacked ``experts_gate_up`` [E, 2I, H] / ``experts_down`` [E, H, I] parameters.
+Checkpoint names (docs/MODELS.md §5) are per expert (``mlp.experts.E.gate_proj.weight`` ...); they
+load into the stacked ``experts_gate_up`` [E, 2I, H] / ``experts_down`` [E, H, I] parameters.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class LLaDA2MoeModelLM(DecoderLM):
 
     @classmethod
     def weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
-        """HF names and shapes (spec §2.2), e.g. ``model.layers.N.mlp.experts.E.up_proj.weight``."""
+        """HF names and shapes (docs/MODELS.md §5), e.g.
+        ``model.layers.N.mlp.experts.E.up_proj.weight``."""
         h, v = config.hidden_size, config.vocab_size
         inter, n_exp = config.moe_intermediate_size, config.num_experts
         specs = [WeightSpec("model.word_embeddings.weight", (v, h), "embed_tokens.weight")]

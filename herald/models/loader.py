@@ -3,8 +3,8 @@
 A checkpoint directory holds ``config.json``, the weights as one ``model.safetensors`` or as shards
 ``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``, and optionally
 ``tokenizer.json`` / ``tokenizer_config.json``. Tensor names and shapes are exactly those of the
-real SDAR-8B-Chat and LLaDA2.0-mini checkpoints (model spec §1.2, §2.2), so a downloaded checkpoint
-loads unchanged and a random one written here loads like a real one.
+real SDAR-8B-Chat and LLaDA2.0-mini checkpoints (docs/MODELS.md §4, §5), so a downloaded
+checkpoint loads unchanged and a random one written here loads like a real one.
 
 Loading checks every name and shape against the architecture's :class:`WeightSpec` list *before*
 allocating the model (reading only the safetensors headers), then builds the model uninitialised on
@@ -41,8 +41,8 @@ from herald.models.registry import (
     list_presets,
     weight_specs,
 )
+from herald.models.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 from herald.models.weights import WeightSpec, get_target, random_tensor
-from herald.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 
 SINGLE_FILE = "model.safetensors"
 
@@ -50,7 +50,7 @@ BUNDLED_CHECKPOINTS: dict[str, Path] = {
     "code-sdar": Path(__file__).resolve().parents[2] / "checkpoints" / "code-sdar" / "ckpt",
 }
 """Trained checkpoints that ship in the repository's ``checkpoints/`` folder, by name
-(``code-sdar``: the small SDAR code model of issue 6, ``checkpoints/code-sdar/README.md``)."""
+(``code-sdar``: a small SDAR model trained on Python code, ``checkpoints/code-sdar/README.md``)."""
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some exporters add that carry nothing herald needs (recomputed buffers).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -1,8 +1,8 @@
 """Compact checkpoint storage: int8 weights with one float32 scale per output row.
 
-Used to fit a larger trained model under the repo's checkpoint budget (issue 6): every 2-D tensor
-(embeddings and projections) is stored as ``int8`` with ``<name>_scale`` (float32, one per row:
-``max |row| / 127``, symmetric, round to nearest); 1-D tensors (norm weights) stay bf16. The
+Lets a larger trained model fit the repository's size budget for bundled checkpoints: every 2-D
+tensor (embeddings and projections) is stored as ``int8`` with ``<name>_scale`` (float32, one per
+row: ``max |row| / 127``, symmetric, round to nearest); 1-D tensors (norm weights) stay bf16. The
 checkpoint's ``config.json`` says so in ``quantization_config`` (the HF key), and the loader
 dequantizes to the model's dtype at load time: the model itself always computes in bf16 / float32.
 

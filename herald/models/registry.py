@@ -2,7 +2,7 @@
 
 Presets are HF-format ``config.json`` dicts shipped in ``herald/models/presets/``:
 
-* ``sdar-8b-chat``, ``llada2-mini``: the real configs at full size (model spec §1.1, §2.1);
+* ``sdar-8b-chat``, ``llada2-mini``: the real configs at full size (docs/MODELS.md §3, §5);
 * ``tiny-sdar``, ``tiny-llada2``: the same structures, small enough for CPU tests (hidden 128,
   4 layers, 8 query / 2 KV heads of 32 dims, vocab 320 = 256 bytes + special tokens, block 32).
 

@@ -1,9 +1,9 @@
-"""SDAR (``SDARForCausalLM``): the Qwen3-style dense block dLLM (model spec §1).
+"""SDAR (``SDARForCausalLM``): the Qwen3-style dense block dLLM (docs/MODELS.md §3-§4).
 
 Layer math is :mod:`herald.models.common` with a SwiGLU MLP in every layer, full RoPE over
-``head_dim``, untied LM head. Checkpoint names are Qwen3's, 1:1 (spec §1.2, 11 tensors per layer
-plus 3: 399 for SDAR-8B-Chat); ``q_proj``/``k_proj``/``v_proj`` load into the fused ``qkv_proj``
-and ``gate_proj``/``up_proj`` into the fused ``gate_up_proj``.
+``head_dim``, untied LM head. Checkpoint names are Qwen3's, 1:1 (docs/MODELS.md §4, 11 tensors per
+layer plus 3: 399 for SDAR-8B-Chat); ``q_proj``/``k_proj``/``v_proj`` load into the fused
+``qkv_proj`` and ``gate_proj``/``up_proj`` into the fused ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class SDARForCausalLM(DecoderLM):
 
     @classmethod
     def weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
-        """HF names and shapes (spec §1.2), e.g. ``model.layers.N.self_attn.q_proj.weight``."""
+        """HF names and shapes (docs/MODELS.md §4), e.g.
+        ``model.layers.N.self_attn.q_proj.weight``."""
         h, v = config.hidden_size, config.vocab_size
         specs = [WeightSpec("model.embed_tokens.weight", (v, h), "embed_tokens.weight")]
         for i in range(config.num_layers):

@@ -1,7 +1,7 @@
 """Checkpoint tensor <-> model tensor mapping, and spec-driven random initialisation.
 
-Each architecture lists its HF checkpoint tensors as :class:`WeightSpec` rows (model spec §1.2,
-§2.2): the exact HF name and shape, and the in-memory tensor (a sub-view of a fused or stacked
+Each architecture lists its HF checkpoint tensors as :class:`WeightSpec` rows (docs/MODELS.md
+§4, §5): the exact HF name and shape, and the in-memory tensor (a sub-view of a fused or stacked
 parameter) that holds it. The loader, the random-checkpoint writer and the in-place random init all
 walk the same rows, so the three can never disagree about names, shapes or layout.
 """

@@ -1,1 +1,1 @@
-"""``herald serve``: an OpenAI-compatible HTTP server over the dense engine (issue 7)."""
+"""``herald serve``: an OpenAI-compatible HTTP server over any engine (:mod:`herald.server.api`)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,8 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from herald.config import SamplingParams
+from herald.engine.scheduler import QueueFullError
+from herald.kv.manager import RequestTooLarge
+from herald.models.tokenizer import Tokenizer
 from herald.server.chat import ChatTemplate, ChatTemplateError
-from herald.server.engine_loop import EngineDeadError, EngineLoop, Handle, QueueFullError
+from herald.server.engine_loop import EngineDeadError, EngineLoop, Handle
 from herald.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from herald.server.protocol import (
     ChatCompletionRequest,
@@ -39,15 +45,9 @@ from herald.server.protocol import (
     error_response,
     validation_message,
 )
-from herald.server.served_engine import (
-    RequestTooLarge,
-    budget_matches,
-    check_fits,
-    kv_budget,
-    pool_usage,
-)
 from herald.server.text import TextStream
-from herald.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` when the request gives none (OpenAI's default for completions)."""
@@ -57,14 +57,13 @@ DEFAULT_MAX_TOKENS = 16
 class ServerState:
     """What the routes share: the engine loop, tokenizer, served model name and settings.
 
-    ``mode`` is the engine's (dense, herald, mage or infinigen), fixed at launch."""
+    The mode (dense, herald, mage or infinigen) and budget are the engine's, fixed at launch."""
 
     engine_loop: EngineLoop
     tokenizer: Tokenizer
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
-    mode: str = "dense"
     chat_template: ChatTemplate | None = None
 
     def __post_init__(self) -> None:
@@ -76,12 +75,12 @@ class ServerState:
         return self.engine_loop.engine.max_seq_len
 
     @property
+    def mode(self) -> str:
+        return self.engine_loop.engine.mode
+
+    @property
     def kv_budget(self) -> float:
-        return kv_budget(self.engine_loop.engine)
-
-
-class _Rejected(Exception):
-    """The engine refused a request (HTTP 400)."""
+        return self.engine_loop.engine.kv_budget
 
 
 class _Failed(Exception):
@@ -109,6 +108,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
+    auth = [Depends(_auth_dependency(state))]
+    _add_info_routes(app, state, auth)
+    _add_generation_routes(app, state, auth)
+    return app
+
+
+def _auth_dependency(state: ServerState) -> Any:
     async def _auth(request: Request) -> None:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware would hide the
         # client's disconnect from the route (needed to abort abandoned requests).
@@ -120,7 +126,18 @@ def create_app(state: ServerState) -> FastAPI:
             if not ok:
                 raise StarletteHTTPException(401, "invalid or missing API key")
 
-    auth = [Depends(_auth)]
+    return _auth
+
+
+def _not_served(state: ServerState, model_id: str) -> JSONResponse:
+    return error_response(
+        404, f"model {model_id!r} is not served here (try {state.model_name!r})",
+        param="model", code="model_not_found",
+    )  # fmt: skip
+
+
+def _add_info_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+    """``/health``, ``/metrics`` (open) and ``/v1/models`` (behind ``auth``)."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -132,7 +149,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         state.metrics.running.set(state.engine_loop.num_running)
         state.metrics.waiting.set(state.engine_loop.num_waiting)
-        state.metrics.set_pools(pool_usage(state.engine_loop.engine))
+        state.metrics.set_pools(state.engine_loop.engine.usage())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict[str, Any]:
@@ -156,11 +173,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> JSONResponse:
         if model_id != state.model_name:
-            return error_response(
-                404, f"model {model_id!r} is not served here (try {state.model_name!r})",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+            return _not_served(state, model_id)
         return JSONResponse(model_card())
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -175,28 +193,21 @@ def create_app(state: ServerState) -> FastAPI:
             return error_response(400, str(e), param="messages")
         return await _serve(state, request, body, prompt, chat=True)
 
-    return app
-
 
 MAX_CHARS_PER_TOKEN = 64
 """A prompt longer than this many characters per context token is refused before tokenizing."""
 
 
-async def _serve(
-    state: ServerState, request: Request, body: _Common, prompt: str, *, chat: bool
-) -> Response:
-    """Validate against the model, submit, and answer (JSON or SSE)."""
+def _refusal(state: ServerState, body: _Common, prompt: str) -> JSONResponse | None:
+    """The error response for a request this server does not run as asked, else None."""
     if body.model is not None and body.model != state.model_name:
-        return error_response(
-            404, f"model {body.model!r} is not served here (try {state.model_name!r})",
-            param="model", code="model_not_found",
-        )  # fmt: skip
+        return _not_served(state, body.model)
     if body.mode is not None and body.mode != state.mode:
         return error_response(
             400, f"this server runs mode {state.mode!r}, not {body.mode!r}: one engine per "
             f"server, chosen at launch (herald serve --mode {body.mode})", param="mode",
         )  # fmt: skip
-    if body.budget is not None and not budget_matches(state.engine_loop.engine, body.budget):
+    if body.budget is not None and not math.isclose(body.budget, state.kv_budget, rel_tol=1e-9):
         return error_response(
             400, f"this server runs kv budget {state.kv_budget} (mode {state.mode!r}), not "
             f"{body.budget}: the budget is fixed at launch (herald serve --kv-budget)",
@@ -210,6 +221,34 @@ async def _serve(
             400, f"the prompt is {len(prompt)} characters, far more than the server's max "
             f"context of {ctx} tokens", param="prompt", code="context_length_exceeded",
         )  # fmt: skip
+    return None
+
+
+def _submit(state: ServerState, ids: list[int], params: SamplingParams) -> Handle | JSONResponse:
+    """Queue the request in the engine, or the error response that refuses it."""
+    try:
+        return state.engine_loop.submit(ids, params, asyncio.get_running_loop())
+    except RequestTooLarge as e:
+        return error_response(400, str(e), param=e.param, code=e.code)
+    except ValueError as e:
+        return error_response(400, str(e))
+    except (QueueFullError, EngineDeadError) as e:
+        state.metrics.requests.labels("rejected").inc()
+        return error_response(503, str(e))
+    except Exception as e:  # an engine bug while queueing: this request fails, the server goes on
+        log.exception("queueing a request failed")
+        state.metrics.requests.labels("error").inc()
+        return error_response(500, f"internal error in this request: {type(e).__name__}: {e}")
+
+
+async def _serve(
+    state: ServerState, request: Request, body: _Common, prompt: str, *, chat: bool
+) -> Response:
+    """Validate against the model, submit, and answer (JSON or SSE)."""
+    refused = _refusal(state, body, prompt)
+    if refused is not None:
+        return refused
+    ctx = state.max_context
     # Off the event loop: a long prompt's tokenization must not stall every other request.
     ids = await run_in_threadpool(state.tokenizer.encode, prompt)
     if not ids:
@@ -219,21 +258,14 @@ async def _serve(
             400, f"the prompt is {len(ids)} tokens, the server's max context is {ctx}",
             param="prompt", code="context_length_exceeded",
         )  # fmt: skip
-    max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, ctx - len(ids))
-    params = body.sampling_params(max_tokens)
+    params = body.sampling_params(body.max_tokens or min(DEFAULT_MAX_TOKENS, ctx - len(ids)))
     try:
         params.validate()
     except ValueError as e:
         return error_response(400, str(e))
-    try:
-        check_fits(state.engine_loop.engine, ids, params)
-    except RequestTooLarge as e:
-        return error_response(400, str(e), param=e.param, code=e.code)
-    try:
-        handle = state.engine_loop.submit(ids, params, asyncio.get_running_loop())
-    except (QueueFullError, EngineDeadError) as e:
-        state.metrics.requests.labels("rejected").inc()
-        return error_response(503, str(e))
+    handle = _submit(state, ids, params)
+    if not isinstance(handle, Handle):
+        return handle
     meta = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "created": int(time.time()),
@@ -244,13 +276,18 @@ async def _serve(
         return StreamingResponse(
             _sse(state, handle, stream, meta, chat=chat), media_type="text/event-stream"
         )
+    return await _complete(state, request, handle, stream, meta, len(ids), chat=chat)
+
+
+async def _complete(
+    state: ServerState, request: Request, handle: Handle, stream: TextStream,
+    meta: dict[str, Any], num_prompt: int, *, chat: bool,
+) -> Response:  # fmt: skip
+    """The non-streaming answer: wait for the whole completion."""
     try:
         finish = "length"
         async for _ids, _delta, reason in _events(state, handle, stream, request):
             finish = reason or finish
-    except _Rejected as e:
-        state.metrics.requests.labels("rejected").inc()
-        return error_response(400, str(e))
     except _Failed as e:
         state.metrics.requests.labels("error").inc()
         return error_response(500, f"internal error in this request: {e}")
@@ -262,9 +299,9 @@ async def _serve(
         choice["text"] = stream.text
     choice["token_ids"] = stream.ids  # herald extension
     usage = {
-        "prompt_tokens": len(ids),
+        "prompt_tokens": num_prompt,
         "completion_tokens": len(stream.ids),
-        "total_tokens": len(ids) + len(stream.ids),
+        "total_tokens": num_prompt + len(stream.ids),
     }
     obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": obj, "choices": [choice], "usage": usage})
@@ -276,8 +313,7 @@ async def _events(
     """Yield (block ids, text delta, finish reason or None) until the request ends.
 
     Aborts the engine request when the consumer stops early (disconnect, cancellation, stop
-    string). Raises :class:`_Failed` when the engine reported an error for this request and
-    :class:`_Rejected` when it refused it.
+    string). Raises :class:`_Failed` when the engine reported an error for this request.
     """
     done = False
     checked = time.monotonic()
@@ -297,9 +333,6 @@ async def _events(
             if kind == "error":
                 done = True
                 raise _Failed(f"{type(val).__name__}: {val}")
-            if kind == "rejected":
-                done = True
-                raise _Rejected(str(val))
             if kind == "done":
                 done = True
                 yield [], stream.finish(), str(val)
@@ -336,11 +369,9 @@ async def _sse(
             first = False
             yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
         state.metrics.requests.labels("ok").inc()
-    except (_Failed, _Rejected) as e:
-        failed = isinstance(e, _Failed)
-        state.metrics.requests.labels("error" if failed else "rejected").inc()
-        msg = f"internal error in this request: {e}" if failed else str(e)
-        kind = "server_error" if failed else "invalid_request_error"
-        err = {"error": {"message": msg, "type": kind, "param": None, "code": None}}
+    except _Failed as e:
+        state.metrics.requests.labels("error").inc()
+        msg = f"internal error in this request: {e}"
+        err = {"error": {"message": msg, "type": "server_error", "param": None, "code": None}}
         yield f"data: {json.dumps(err)}\n\n"
     yield "data: [DONE]\n\n"

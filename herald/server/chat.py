@@ -14,7 +14,7 @@ the tokenizer has both ChatML markers as tokens (the SDAR / Qwen3 family), else 
 ``"role: content"`` line per message and a final ``"assistant:"``.
 
 The rendered text is encoded like any prompt: special-token text maps to its ids, except the
-mask token's text, which stays text (:meth:`herald.tokenizer.Tokenizer.encode`).
+mask token's text, which stays text (:meth:`herald.models.tokenizer.Tokenizer.encode`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from herald.tokenizer import Tokenizer
+from herald.models.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):

@@ -2,8 +2,8 @@
 
 Updated by the engine thread after every step (``prometheus_client`` is thread-safe): requests,
 batch size, tokens, step time and, in the offloading modes, each block's main stream, retrieval
-stream and block-boundary stall (from ``OffloadStats.blocks``). ``GET /metrics`` sets the KV
-memory gauges (:func:`herald.server.served_engine.pool_usage`) and renders Prometheus text.
+stream and block-boundary stall (from ``EngineStats.blocks``). ``GET /metrics`` sets the KV
+memory gauges (:meth:`herald.engine.base.Engine.usage`) and renders Prometheus text.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from herald.server.served_engine import PoolUsage
+from herald.kv.manager import KVUsage
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -95,7 +95,7 @@ class ServerMetrics:
         self.block["retrieval"].observe(retrieval)
         self.block["stall"].observe(stall)
 
-    def set_pools(self, usage: PoolUsage) -> None:
+    def set_pools(self, usage: KVUsage) -> None:
         self.cpu_pages_used.set(usage.cpu_pages_used)
         self.cpu_pages_total.set(usage.cpu_pages_total)
         self.gpu_slots_used.set(usage.gpu_slots_used)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, SamplingParams
-from herald.server.served_engine import MODES
+from herald.engines import MODES
 
 
 def error_response(

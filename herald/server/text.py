@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from herald.tokenizer import Tokenizer
+from herald.models.tokenizer import Tokenizer
 
 
 class TextStream:

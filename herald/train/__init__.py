@@ -1,4 +1,4 @@
-"""Training a small SDAR block dLLM from scratch (issue 6).
+"""Training a small SDAR block dLLM from scratch (the model the accuracy evaluation runs).
 
 Data flows corpus -> tokenizer -> stream -> windows -> objective -> trainer -> checkpoint:
 
@@ -8,6 +8,8 @@ Data flows corpus -> tokenizer -> stream -> windows -> objective -> trainer -> c
 * :mod:`herald.train.data`: the cached uint16 token stream and seeded, resumable windows;
 * :mod:`herald.train.objective`: noising, the 2L-token block-diffusion mask (flex / dense), loss;
 * :mod:`herald.train.config`: model shape and hyper-parameters;
-* :mod:`herald.train.trainer`: the loop; :mod:`herald.train.checkpoint`: HF checkpoint + state;
+* :mod:`herald.train.trainer`: the loop; :mod:`herald.train.schedule`: learning rate, AdamW and
+  noise seeding; :mod:`herald.train.run_outputs`: what a run writes at its end;
+  :mod:`herald.train.checkpoint`: HF checkpoint + state;
 * :mod:`herald.train.cli`: ``herald train``.
 """

@@ -36,8 +36,8 @@ from herald.models.quant import (
     quantize_rowwise,
     stored_bytes,
 )
+from herald.models.tokenizer import Tokenizer
 from herald.models.weights import WeightSpec, get_target
-from herald.tokenizer import Tokenizer
 
 
 def _shards(specs: list[WeightSpec], max_bytes: int, storage: str) -> list[list[WeightSpec]]:

@@ -1,9 +1,9 @@
 """Which tokens of the training stream are part of a Python name in code (not in a string, a
-comment or a docstring): the ``code`` scope of the long-range loss emphasis (issue 6, run 6).
+comment or a docstring): the ``code`` scope of the long-range loss emphasis.
 
-Run 5 flagged long-range tokens by their vocabulary entry alone (:func:`herald.train.objective.
-name_token_mask`); its review found that 21-58% of the flagged tokens of 16K windows sat inside
-strings or docstrings and 1-20% in comments (``results/eval/README.md``, section "Run 5"). This
+The ``vocab`` scope flags long-range tokens by their vocabulary entry alone
+(:func:`herald.train.objective.name_token_mask`), so names inside strings, docstrings and
+comments are flagged too (``results/eval/README.md`` gives their shares). This
 module marks a token when its bytes overlap a ``NAME`` token of Python's own tokenizer
 (:mod:`tokenize`) that is not a keyword. Byte-level BPE tokens stand for whole bytes of the
 document, so a token's byte range is the running sum of the byte lengths of the ids before it;

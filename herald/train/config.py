@@ -191,7 +191,7 @@ class TrainConfig:
     long_range_ngram: int = 3
     """N-gram length of the repeat (1-3 with an 8K vocabulary at 16K tokens: exact int64 keys)."""
     long_range_scope: str = "vocab"
-    """Which tokens may be long-range: ``vocab`` (name-like vocabulary entries, run 5) or
+    """Which tokens may be long-range: ``vocab`` (name-like vocabulary entries) or
     ``code`` (tokens of a name in code, not in strings or comments;
     :mod:`herald.train.code_names`)."""
     log_every: int = 20

@@ -1,6 +1,6 @@
 """Training corpus: the Python sources of the interpreter's third-party packages, stdlib held out.
 
-Data recipe (issue 6), in order:
+Data recipe, in order:
 
 1. **Roots.** Third-party roots are the running interpreter's site directories
    (``sysconfig`` purelib/platlib, ``site.getsitepackages()``, the user site), real paths,

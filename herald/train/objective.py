@@ -2,8 +2,8 @@
 
 One training forward runs the model once over ``[x_t ; x_0]`` (2L tokens): ``x_t`` is the noisy
 copy of the clean window ``x_0``. With ``blk(n)`` the diffusion block of a position within its
-copy (``(n mod L) // B``), query ``q`` may attend to key ``k`` when (model spec §1.3, the BD3-LM
-mask used by SDAR's training):
+copy (``(n mod L) // B``), query ``q`` may attend to key ``k`` when (the BD3-LM mask used by
+SDAR's training):
 
 * both noisy and ``blk(q) == blk(k)``: a noisy block sees itself bidirectionally;
 * ``q`` noisy, ``k`` clean and ``blk(k) < blk(q)``: ...and the clean blocks before it;
@@ -236,7 +236,7 @@ def name_token_mask(decode: Callable[[list[int]], str], vocab_size: int) -> torc
     repeated ``if`` or ``:\n`` is syntax, not something to look up far back.
 
     Args:
-        decode: ids -> text (e.g. :meth:`herald.tokenizer.Tokenizer.decode`).
+        decode: ids -> text (e.g. :meth:`herald.models.tokenizer.Tokenizer.decode`).
         vocab_size: entries to classify (ids ``0 .. vocab_size - 1``).
     """
     skip = set(keyword.kwlist) | {"self", "cls"}

@@ -9,9 +9,10 @@ Three special tokens come first, so their ids are fixed whatever the corpus:
     2 ``<|MASK|>``       the diffusion mask token
 
 It is saved as ``tokenizer.json`` plus ``tokenizer_config.json`` (through
-:meth:`herald.tokenizer.Tokenizer.save`), which :func:`herald.tokenizer.load_tokenizer` reads; the
-model's ``config.json`` carries the same ids (``eos_token_ids``, ``pad_token_id``,
-``mask_token_id``), which is where :class:`herald.models.config.ModelConfig` takes them from.
+:meth:`herald.models.tokenizer.Tokenizer.save`), which
+:func:`herald.models.tokenizer.load_tokenizer` reads; the model's ``config.json`` carries the
+same ids (``eos_token_ids``, ``pad_token_id``, ``mask_token_id``), which is where
+:class:`herald.models.config.ModelConfig` takes them from.
 
 Training documents are encoded with special-token *text* treated as plain text (source files that
 spell ``<|endoftext|>`` stay ordinary bytes): the only special id in the stream is the EOS that
@@ -27,7 +28,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from herald.tokenizer import Tokenizer
+from herald.models.tokenizer import Tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -3,10 +3,11 @@
 One call of :func:`train` is one *run*: it prepares the data (:mod:`herald.train.data`), builds a
 fresh model or loads ``--resume``, trains until ``max_steps`` or the wall budget, evaluates the
 held-out stdlib windows, and writes the checkpoint (:mod:`herald.train.checkpoint`), the resume
-state and a JSON log. Runs continue one another through the resume state: global step, tokens
-seen and the data position carry over; the learning-rate schedule is per run (linear warm-up, then
-cosine to ``min_lr_ratio * lr`` over the run's horizon), so a resumed run re-warms its fresh (or
-reloaded) AdamW moments.
+state and a JSON log (:mod:`herald.train.run_outputs`). Runs continue one another through the
+resume state: global step, tokens seen and the data position carry over; the learning-rate
+schedule (:mod:`herald.train.schedule`) is per run (linear warm-up, then cosine to
+``min_lr_ratio * lr`` over the run's horizon), so a resumed run re-warms its fresh (or reloaded)
+AdamW moments.
 
 Precision: float32 master weights, bf16 autocast on CUDA (q/k/v cast to bf16 for flex_attention),
 float32 logits and loss. On CUDA the model, flex_attention and the loss are compiled as one
@@ -21,12 +22,8 @@ it, a resumed run starts from the checkpoint's bf16 weights with fresh moments.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import math
 import os
-import random
-import sys
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -38,10 +35,10 @@ import torch
 from herald.config import resolve_device
 from herald.models.common import DecoderLM
 from herald.models.config import ModelConfig
-from herald.models.loader import hf_config_dict, load_model
+from herald.models.loader import load_model
 from herald.models.quant import dequantize_rowwise, quantize_rowwise
 from herald.models.registry import build_model
-from herald.train.checkpoint import find_resume_state, read_json, save_checkpoint, write_json
+from herald.train.checkpoint import find_resume_state, read_json
 from herald.train.config import (
     RESERVE_S,
     TrainConfig,
@@ -64,52 +61,13 @@ from herald.train.objective import (
     name_token_mask,
     sample_noise,
 )
-from herald.train.preflight import check_seq_len, log_path, preflight, state_path
+from herald.train.preflight import check_seq_len, preflight
+from herald.train.run_outputs import save_run
+from herald.train.schedule import build_optimizer, lr_at, noise_generator, seed_everything
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
 VAL_SEED = 1234
-
-
-def lr_at(step: int, cfg: TrainConfig, total: int | None) -> float:
-    """Learning rate of run step ``step`` (0-based): linear warm-up over ``warmup_steps``, then
-    cosine from ``lr`` to ``min_lr_ratio * lr`` at ``total`` (held after; peak while ``total`` is
-    unknown)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if total is None:
-        return cfg.lr
-    span = max(1, total - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * frac))
-
-
-def noise_generator(device: torch.device, seed: int, step: int) -> torch.Generator:
-    """The generator of global step ``step``'s noise (independent of run boundaries)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + step) % (2**63))
-    return gen
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _optimizer(model: DecoderLM, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for name, p in model.named_parameters():  # tied lm_head appears once, as embed_tokens
-        (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda"
-    )
 
 
 class Run:
@@ -206,7 +164,7 @@ class Run:
             ).to(dev)
         model.requires_grad_(True)
         model.train()
-        self.optimizer = _optimizer(model, cfg, dev)
+        self.optimizer = build_optimizer(model, cfg, dev)
         opt_file = cfg.optimizer_file
         if opt_file is not None and cfg.resume is not None and opt_file.is_file():
             saved = torch.load(opt_file, map_location=dev, weights_only=True)
@@ -477,111 +435,6 @@ class Run:
                 for p, w in saved:
                     p.copy_(w.to(p.device))
 
-    def save(
-        self, run_summary: dict[str, Any], val_loss: float | None, val_stored: float | None = None
-    ) -> dict[str, Any]:
-        cfg = self.cfg
-        out = cfg.out_dir
-        state_file, log_file = state_path(cfg), log_path(cfg)
-        stored = {} if val_stored is None else {f"val_loss_stdlib_{self.storage}": val_stored}
-        provenance = {
-            "herald_training": {
-                "global_step": self.global_step,
-                "tokens_seen": self.tokens_seen,
-                "data_manifest_sha256": self.data.manifest["contents_sha256"],
-                "seq_len": cfg.seq_len,
-                "loss_weighting": cfg.loss_weighting,
-                **self.long_range_summary(),
-                "val_loss_stdlib": val_loss,
-                **stored,
-                "recipe": "herald.train (issue 6): site-packages .py, stdlib held out",
-            }
-        }
-        t = time.perf_counter()
-        nbytes = save_checkpoint(
-            self.model,
-            self.config,
-            self.tokenizer,
-            out,
-            extra_config=provenance,
-            max_shard_bytes=int(cfg.max_shard_mb * 2**20),
-            storage=self.storage,
-        )
-        if cfg.optimizer_file is not None:
-            cfg.optimizer_file.parent.mkdir(parents=True, exist_ok=True)
-            full = {
-                "global_step": self.global_step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-            }
-            torch.save(full, cfg.optimizer_file)
-        self.timings["save_s"] = time.perf_counter() - t
-        runs = previous_runs(self.state)
-        resumed_from = None if cfg.resume is None else str(cfg.resume)
-        runs.append(
-            {**run_summary, "val_loss_stdlib": val_loss, **stored, "resumed_from": resumed_from}
-        )
-        state = {
-            "global_step": self.global_step,
-            "tokens_seen": self.tokens_seen,
-            "data_position": self.sampler.position,
-            "epoch": self.sampler.epoch,
-            "seq_len": cfg.seq_len,
-            "seed": cfg.seed,
-            "data_order": cfg.data_order,
-            "data_manifest_sha256": self.data.manifest["contents_sha256"],
-            "stream_key": self.data.stream_key,
-            "runs": runs,
-        }
-        write_json(state_file, state)
-        tok_sha = hashlib.sha256(self.data.backend.to_str().encode()).hexdigest()
-        manifest = dict(self.data.manifest)
-        log = {
-            "checkpoint": str(out),
-            "checkpoint_bytes": nbytes,
-            "num_params": count_params(self.config),
-            "model_config": hf_config_dict(self.config, torch.bfloat16),
-            "train_config": dataclasses.asdict(cfg),
-            "device": torch.cuda.get_device_name(self.device)
-            if self.device.type == "cuda"
-            else "cpu",
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-            "data_manifest": manifest,
-            "data_manifest_sha256": manifest["contents_sha256"],
-            "stdlib_holdout_manifest": {
-                k: v for k, v in self.data.stdlib_manifest.items() if k != "packages"
-            },
-            "tokenizer_sha256": tok_sha,
-            "stream_tokens": int(self.data.stream.size),
-            "run": {**run_summary, "val_loss_stdlib": val_loss, **stored},
-            "global_step": self.global_step,
-            "tokens_seen": self.tokens_seen,
-            "epoch": self.sampler.epoch,
-            "timings_s": {k: round(v, 2) for k, v in {**self.data.timings, **self.timings}.items()},
-            "history": self.history,
-        }
-        write_json(log_file, log)
-        as_saved = "" if val_stored is None else f" ({val_stored:.4f} as saved, {self.storage})"
-        self.log(
-            f"saved {out} ({nbytes / 1e6:.1f} MB), state {state_file}, log {log_file}; "
-            f"global step {self.global_step}, {self.tokens_seen / 1e6:.1f} M tokens, "
-            f"final loss {run_summary['final_loss']:.4f}, stdlib val loss "
-            + (f"{val_loss:.4f}" if val_loss is not None else "n/a")
-            + as_saved
-        )
-        return log
-
-
-def previous_runs(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run history of a resume state. Files written before ``resumed_from`` became JSON null
-    for a fresh run spell it ``"None"``; it is read back as None."""
-    runs = [dict(r) for r in state.get("runs", [])]
-    for r in runs:
-        if r.get("resumed_from") == "None":
-            r["resumed_from"] = None
-    return runs
-
 
 def train(
     cfg: TrainConfig,
@@ -617,4 +470,4 @@ def train(
     val = run.validate()
     val_stored = run.validate_stored()
     run.timings["val_s"] = time.perf_counter() - t
-    return run.save(summary, val, val_stored)
+    return save_run(run, summary, val, val_stored)

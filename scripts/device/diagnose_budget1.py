@@ -14,10 +14,11 @@ import sys
 
 import torch
 
-from herald.config import OffloadConfig, SamplingParams
+from herald.config import EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.dense import DenseEngine
-from herald.engine.offload import OffloadEngine
+from herald.engine.hooks import EngineHooks, SelectionRecorder
 from herald.models.registry import build_model, get_preset
+from herald.offload.engine import OffloadEngine
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -38,7 +39,9 @@ def main() -> None:
     pad = int(sys.argv[2]) if len(sys.argv) > 2 else 0  # kv_pad for both engines
 
     def dense() -> list[list[int]]:
-        eng = DenseEngine(model, config, max_batch_size=4, max_seq_len=256, kv_pad=pad)
+        eng = DenseEngine(
+            model, config, EngineConfig(max_batch_size=4, max_seq_len=256, kv_pad=pad)
+        )
         return [r.output_ids for r in eng.generate(prompts, params)]
 
     ref = dense()
@@ -51,13 +54,12 @@ def main() -> None:
     if True:
         for r in range(runs):
             cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, selection_threads=2)
-            eng = OffloadEngine(
-                model, config, cfg, max_batch_size=4, max_seq_len=256, record_selection=True,
-                kv_pad=pad,
-            )  # fmt: skip
+            recorder = SelectionRecorder()
+            ecfg = EngineConfig(max_batch_size=4, max_seq_len=256, kv_pad=pad, offload=cfg)
+            eng = OffloadEngine(model, config, ecfg, EngineHooks(on_selection=recorder))
             got = [x.output_ids for x in eng.generate(prompts, params)]
             unsorted = 0
-            for job in eng.selections:
+            for job in recorder.jobs:
                 for _layer, (_q, idx) in job.recorded.items():
                     for i, kk in enumerate(job.budgets):
                         rows = idx[i, :, :kk]

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from herald.eval.metrics import HEADLINE
-from herald.eval.report import paired_bootstrap
+from herald.eval.stats import paired_bootstrap
 
 Key = tuple[str, int, str]
 

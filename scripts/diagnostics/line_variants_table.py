@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from herald.eval.report import paired_bootstrap
+from herald.eval.stats import paired_bootstrap
 
 
 def _scores(path: Path) -> dict[str, float]:

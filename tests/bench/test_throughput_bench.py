@@ -107,7 +107,7 @@ def test_dense_sweep_narrows_its_oom_end(tmp_path, monkeypatch):
 
 
 def test_refine_batch_rules():
-    from herald.bench.throughput_run import refine_batch
+    from herald.bench.throughput_records import refine_batch
 
     def recs(**kw):
         return {int(b[1:]): {"status": st} for b, st in kw.items()}
@@ -141,8 +141,7 @@ def test_staging_estimate_bounds_what_the_engine_pins(tmp_path, monkeypatch, var
 
     def measure(engine, reqs, ps, steps):
         out = real(engine, reqs, ps, steps)
-        bufs = [engine._handoff, *engine._stagings.values()]
-        bufs += engine.worker._staging if engine.worker is not None else []
+        bufs = engine.pinned_staging()
         pinned = sum(st.numel * st.buf.element_size() for st in bufs)
         cfg, n, seq = engine.offload, engine.max_batch_size, engine.max_seq_len
         est = throughput_point._staging_bytes(cfg, ps.config, n, seq, ps.kv_pad)
@@ -251,26 +250,37 @@ def test_a_point_that_errors_makes_the_exit_code_1(tmp_path, monkeypatch):
     assert [p["status"] for p in _records(tmp_path)] == ["error"]
 
 
-def test_failed_engine_constructor_leaves_no_retrieval_thread(monkeypatch):
+def test_failed_engine_constructor_leaves_no_thread_and_no_pinned_memory(monkeypatch):
+    """A policy that fails while it is built (here InfiniGen's proxy, after the hand-off staging
+    was pinned) leaves no retrieval thread and unregisters what was pinned."""
     import threading
 
     from herald.bench.throughput_plan import VARIANTS
-    from herald.engine import offload
+    from herald.config import EngineConfig
+    from herald.kv import pinned
     from herald.models.registry import build_model, get_preset
+    from herald.offload import engine as offload
+    from herald.offload.policies import infinigen
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(offload, "proxy_channels", oom)  # InfiniGen: after the worker started
+    closed = []
+    real_close = pinned.PinnedStaging.close
+    monkeypatch.setattr(infinigen, "proxy_channels", oom)
+    monkeypatch.setattr(
+        pinned.PinnedStaging, "close", lambda st: (closed.append(st), real_close(st))
+    )
     config = get_preset("tiny-llada2")
     model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=0)
     before = sum(t.name == "herald-retrieval" for t in threading.enumerate())
+    cfg = EngineConfig(
+        max_batch_size=2, max_seq_len=256, offload=VARIANTS["infinigen"].offload_config(0.2, 2)
+    )
     with pytest.raises(torch.OutOfMemoryError):
-        offload.OffloadEngine(
-            model, config, VARIANTS["infinigen"].offload_config(0.2, 2),
-            max_batch_size=2, max_seq_len=256,
-        )  # fmt: skip
+        offload.OffloadEngine(model, config, cfg)
     assert sum(t.name == "herald-retrieval" for t in threading.enumerate()) == before
+    assert len(closed) == 1  # the hand-off's staging
 
 
 def test_code_version_names_the_source():

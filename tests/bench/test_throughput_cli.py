@@ -10,8 +10,7 @@ import pytest
 
 from herald.bench import throughput
 from herald.bench import throughput_plan as plan
-from herald.bench.throughput_run import (
-    Runner,
+from herald.bench.throughput_records import (
     is_offload_record,
     load_records,
     record_setting,
@@ -19,6 +18,7 @@ from herald.bench.throughput_run import (
     run_settings,
     setting_differs,
 )
+from herald.bench.throughput_run import Runner
 
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "throughput"
 SWEEP = ["--model", "tiny-sdar", "--context", "256", "--mode", "dense,herald", "--batches", "1"]

@@ -91,7 +91,7 @@ def test_runner_resolves_peaks_and_reuses_uncapped_sweeps(tmp_path):
 
 
 def test_a_smaller_hosts_dram_end_does_not_close_a_bigger_hosts_sweep():
-    from herald.bench.throughput_run import point_records, sweep_status
+    from herald.bench.throughput_records import point_records, sweep_status
 
     sweep = next(
         s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -326,14 +327,12 @@ def test_a_measured_ceiling_names_its_spread(tmp_path):
 
 
 def test_hosts_whose_dram_differs_by_a_boot_wobble_are_one():
-    from herald.bench.throughput_report import _hosts
+    from herald.bench.throughput_data import hosts
 
     def run(rid, cores, gib):
         return {"run_id": rid, "machine": {"cpu_count": cores, "mem_total_gib": gib}}
 
-    got = _hosts(
-        [run("a", 16, 125.6), run("b", 16, 125.4), run("c", 32, 251.8), run("d", 16, None)]
-    )
+    got = hosts([run("a", 16, 125.6), run("b", 16, 125.4), run("c", 32, 251.8), run("d", 16, None)])
     assert got == {"a": (16, 125), "b": (16, 125), "c": (32, 252), "d": (16, None)}
 
 
@@ -360,3 +359,23 @@ def test_block_stats_of_the_rehearsal_pass_are_marked(tmp_path):
     assert "| herald | 48 | 2300 |" in md and "| 0.67† | 0.53 | 0.00 |" in md
     # the note, the Fig. 12 rows (80 GB cap; whole GPU = the 80 GB run) and the every-point row
     assert md.count("†") == 4
+
+
+def test_report_without_matplotlib_writes_its_tables_and_says_so(tmp_path, monkeypatch, capsys):
+    """matplotlib is the ``plot`` extra: without it the README and its tables are written, no
+    plot is, and one line on stderr says that the plots were skipped and how to get them."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    write_fixture(tmp_path)
+    assert throughput.main(["--report", str(tmp_path)]) == 0
+    md = (tmp_path / "README.md").read_text()
+    assert "## Table II analog" in md and "| 32K | HERALD 5.0% | 64 | 2500 (2.00x) |" in md
+    assert "## Fig. 12 analog" in md and "| herald | 48 | 2300 |" in md
+    assert "no plots: matplotlib is not installed here; pip install 'herald[plot]'" in md
+    assert not list(tmp_path.glob("*.png")) and "![Fig." not in md
+    err = capsys.readouterr().err.splitlines()
+    skipped = [line for line in err if "plots skipped" in line]
+    assert skipped == [
+        "throughput report: plots skipped (matplotlib is not installed); for plots: "
+        "pip install 'herald[plot]' (from a checkout: pip install -e '.[plot]')"
+    ]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
 from herald.config import SamplingParams
-from herald.engine.dense import DenseEngine
 from herald.engine.reference import reference_generate
 from herald.models.registry import build_model, get_preset
 
@@ -25,7 +25,9 @@ def _prompts(config, lengths, seed=0):
 
 
 def _engine(model, config, bs=4, seq=512):
-    return DenseEngine(model, config, max_batch_size=bs, max_seq_len=seq, prefill_chunk_tokens=64)
+    return make_engine(
+        model, config, None, max_batch_size=bs, max_seq_len=seq, prefill_chunk_tokens=64
+    )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -138,8 +140,8 @@ def test_chunked_prefill_across_steps_equals_whole_prefill():
     prompts = _prompts(config, [20, 300, 45, 200, 7], seed=5)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 64, 40, 50, 96)]
     ref = [r.output_ids for r in _engine(model, config, bs=2).generate(prompts, params)]
-    eng = DenseEngine(
-        model, config, max_batch_size=2, max_seq_len=512, prefill_chunk_tokens=32,
+    eng = make_engine(
+        model, config, None, max_batch_size=2, max_seq_len=512, prefill_chunk_tokens=32,
         max_prefill_tokens=64,
     )  # fmt: skip
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -149,7 +151,7 @@ def test_chunked_prefill_across_steps_equals_whole_prefill():
     eng.cache.move_slot = lambda *a: (calls.append(a), real_move(*a))[1]  # type: ignore[method-assign]
     while eng.has_unfinished():
         eng.step()
-        if eng._prefilling is not None and len(eng.batch):
+        if eng.scheduler.prefilling is not None and len(eng.batch):
             overlapped += 1
     assert [r.output_ids for r in reqs] == ref
     assert overlapped >= 3  # 300- and 200-token prompts took several steps next to decoding
@@ -159,12 +161,13 @@ def test_chunked_prefill_across_steps_equals_whole_prefill():
 
 def test_abort_while_prefilling_drops_the_request():
     model, config = _model("tiny-sdar")
-    eng = DenseEngine(model, config, max_batch_size=2, max_seq_len=512, max_prefill_tokens=32)
+    eng = make_engine(model, config, None, max_batch_size=2, max_seq_len=512, max_prefill_tokens=32)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     a, b = (eng.add_request(p, params) for p in _prompts(config, [40, 256]))
     eng.step()
     eng.step()
-    assert eng._prefilling is b
+    assert eng.scheduler.prefilling is not None
+    assert eng.scheduler.prefilling.request is b
     eng.abort(b)
     while eng.has_unfinished():
         eng.step()
@@ -182,8 +185,8 @@ def test_cached_equals_reference_on_gpu(preset):
     model = build_model(config, device="cuda", dtype=torch.float64, seed=1)
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     prompts = _prompts(config, [45, 64, 150, 9])
-    batched = DenseEngine(
-        model, config, max_batch_size=4, max_seq_len=512, prefill_chunk_tokens=64
+    batched = make_engine(
+        model, config, None, max_batch_size=4, max_seq_len=512, prefill_chunk_tokens=64
     ).generate(prompts, params)
     for prompt, got in zip(prompts, batched, strict=True):
         ref, _ = reference_generate(model, config, prompt, params)
@@ -200,14 +203,15 @@ def test_cuda_graph_replay_equals_eager_bf16():
         params = SamplingParams(max_new_tokens=96, ignore_eos=True)
         outs = []
         for graphs in (False, True):
-            eng = DenseEngine(
+            eng = make_engine(
                 model,
                 config,
+                None,
                 max_batch_size=4,
                 max_seq_len=512,
                 prefill_chunk_tokens=64,
                 use_cuda_graph=graphs,
             )
             outs.append([r.output_ids for r in eng.generate(prompts, params)])
-            assert eng.use_cuda_graph == graphs
+            assert eng.runner.use_cuda_graph == graphs
         assert outs[0] == outs[1]

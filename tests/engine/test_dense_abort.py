@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from helpers import make_engine
 
 from herald.config import SamplingParams
-from herald.engine.dense import DenseEngine
 from herald.engine.request import RequestStatus
 from herald.models.registry import build_model, get_preset
 
@@ -19,7 +19,9 @@ def _setup():
 
 
 def _engine(model, config, bs):
-    return DenseEngine(model, config, max_batch_size=bs, max_seq_len=256, prefill_chunk_tokens=64)
+    return make_engine(
+        model, config, None, max_batch_size=bs, max_seq_len=256, prefill_chunk_tokens=64
+    )
 
 
 def test_abort_running_rows_1_and_3_keeps_the_others_exact():

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from helpers import make_engine
 
 from herald.config import OffloadConfig, SamplingParams
-from herald.engine.dense import DenseEngine
-from herald.engine.offload import OffloadEngine
-from herald.kv.selection_ref import select_topk_torch
+from herald.engine.hooks import EngineHooks, FaultInjection, SelectionRecorder, SyntheticPrefill
 from herald.models.registry import build_model, get_preset
+from herald.offload.selection.ref import select_topk_torch
 
 PRESETS = ["tiny-sdar", "tiny-llada2"]
 MODES = {
@@ -46,7 +44,7 @@ def setup(request):
     model, config = _model(request.param)
     prompts = _prompts(config, [70, 20, 130])
     params = SamplingParams(max_new_tokens=72, ignore_eos=True)
-    dense = DenseEngine(model, config, max_batch_size=3, max_seq_len=256)
+    dense = make_engine(model, config, None, max_batch_size=3, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     return model, config, prompts, params, ref
 
@@ -54,7 +52,7 @@ def setup(request):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_budget_one_equals_dense(setup, mode):
     model, config, prompts, params, ref = setup
-    eng = OffloadEngine(model, config, MODES[mode], max_batch_size=3, max_seq_len=256)
+    eng = make_engine(model, config, MODES[mode], max_batch_size=3, max_seq_len=256)
     try:
         got = [r.output_ids for r in eng.generate(prompts, params)]
     finally:
@@ -69,10 +67,9 @@ def test_random_retrieval_delays_do_not_change_output():
     params = SamplingParams(max_new_tokens=160, num_denoise_steps=6, ignore_eos=True)
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.3, selection_threads=2)
     outs = []
-    for delay in (None, lambda: random.uniform(0.0, 0.004)):
-        eng = OffloadEngine(
-            model, config, cfg, max_batch_size=4, max_seq_len=320, retrieval_delay=delay
-        )
+    for faults in (None, FaultInjection(max_delay=0.004, seed=3)):
+        hooks = EngineHooks(faults=faults)
+        eng = make_engine(model, config, cfg, hooks=hooks, max_batch_size=4, max_seq_len=320)
         outs.append([r.output_ids for r in eng.generate(prompts, params)])
         eng.close()
     assert outs[0] == outs[1]
@@ -84,16 +81,16 @@ def test_engine_selection_equals_reference():
     model, config = _model("tiny-llada2")
     prompts = _prompts(config, [100, 40], seed=2)
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.25, selection_threads=2)
-    eng = OffloadEngine(
-        model, config, cfg, max_batch_size=2, max_seq_len=256, record_selection=True
-    )
+    recorder = SelectionRecorder()
+    hooks = EngineHooks(on_selection=recorder)
+    eng = make_engine(model, config, cfg, hooks=hooks, max_batch_size=2, max_seq_len=256)
     for p in prompts:
         eng.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True))
     b = config.block_size
     checked, seen = 0, set()
     while eng.has_unfinished():
         eng.step()
-        for job in eng.selections:
+        for job in recorder.jobs:
             if id(job) in seen or not job.done.is_set():
                 continue
             seen.add(id(job))
@@ -125,7 +122,7 @@ def test_request_larger_than_cpu_pool_is_refused_before_work():
     pool = CpuKVPool(
         config.num_layers - 2, config.num_kv_heads, config.head_dim, config.block_size, num_pages=4
     )
-    eng = OffloadEngine(
+    eng = make_engine(
         model, config, OffloadConfig(), max_batch_size=2, max_seq_len=512, cpu_pool=pool
     )
     with pytest.raises(ValueError, match="CPU pool"):
@@ -153,10 +150,10 @@ def test_budget_one_equals_dense_on_gpu(preset):
     # Both engines at the default kv_pad (512). Without it this failed in 2 of 4 runs for
     # tiny-llada2 (herald: the 130-token request from token 66): the dense engine is not
     # lockstep, so its batch's longest key length differs from the offload engine's.
-    dense = DenseEngine(model, config, max_batch_size=4, max_seq_len=256)
+    dense = make_engine(model, config, None, max_batch_size=4, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     for mode in ("herald", "mage-gpu", "mage-cpu", "infinigen"):
-        eng = OffloadEngine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
+        eng = make_engine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
         got = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()
         assert got == ref, mode
@@ -164,7 +161,7 @@ def test_budget_one_equals_dense_on_gpu(preset):
 
 
 def test_proxy_channels_and_topk():
-    from herald.kv.proxy import proxy_channels, proxy_topk
+    from herald.offload.selection.proxy import proxy_channels, proxy_topk
 
     model, config = _model("tiny-llada2")  # partial RoPE: rotated pairs + pass-through dims
     chans = proxy_channels(model.layers[2], 0.25)
@@ -176,7 +173,7 @@ def test_proxy_channels_and_topk():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(32, config.num_heads, config.head_dim, generator=g)
     keys = torch.randn(config.num_kv_heads, 200, config.head_dim, generator=g)
-    from herald.kv.gpu_selection import select_topk_rows
+    from herald.offload.selection.gpu_topk import select_topk_rows
 
     assert torch.equal(proxy_topk(q, keys, full, 20), select_topk_rows(q, keys, 200, 0, 20))
 
@@ -185,7 +182,7 @@ def test_infinigen_selects_from_proxy_and_reuses():
     """At a small budget InfiniGen still decodes (selection from the partial-key cache)."""
     model, config = _model("tiny-sdar")
     prompts = _prompts(config, [100, 64], seed=5)
-    eng = OffloadEngine(
+    eng = make_engine(
         model,
         config,
         OffloadConfig.for_mode("infinigen", kv_budget=0.2),
@@ -203,9 +200,10 @@ def test_poisoned_staging_never_reaches_the_pool(setup):
     masked pool rows still meet a zero probability and 0 * NaN = NaN. Regression test for a
     flaky non-finite score with mixed prompt lengths (uninitialised staging memory)."""
     model, config, prompts, params, ref = setup
-    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
-    for staging in eng.worker._staging:
-        staging.buf.fill_(float("nan"))
+    hooks = EngineHooks(faults=FaultInjection(poison_staging=True))
+    eng = make_engine(
+        model, config, MODES["herald"], hooks=hooks, max_batch_size=3, max_seq_len=256
+    )
     try:
         got = [r.output_ids for r in eng.generate(prompts, params)]
     finally:
@@ -218,16 +216,16 @@ def test_eos_and_continuous_admission_equal_dense():
     requests take (2 slots, 5 requests): output still equals dense at budget 1.0."""
     model, config = _model("tiny-llada2")
     prompts = _prompts(config, [70, 20, 130, 40, 90], seed=7)
-    free = DenseEngine(model, config, max_batch_size=5, max_seq_len=320).generate(
+    free = make_engine(model, config, None, max_batch_size=5, max_seq_len=320).generate(
         prompts, SamplingParams(max_new_tokens=96, ignore_eos=True)
     )
     cfg = config.replace(eos_token_ids=(free[0].output_ids[40],))
     params = [SamplingParams(max_new_tokens=n) for n in (96, 64, 96, 33, 80)]
-    dense = DenseEngine(model, cfg, max_batch_size=2, max_seq_len=320)
+    dense = make_engine(model, cfg, None, max_batch_size=2, max_seq_len=320)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     assert any(len(r) < p.max_new_tokens for r, p in zip(ref, params, strict=True))  # EOS hit
     for mode in ("herald", "mage-cpu", "infinigen"):
-        eng = OffloadEngine(model, cfg, MODES[mode], max_batch_size=2, max_seq_len=320)
+        eng = make_engine(model, cfg, MODES[mode], max_batch_size=2, max_seq_len=320)
         got = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()
         assert got == ref, mode
@@ -238,7 +236,7 @@ def test_abort_mid_block_frees_pages_and_leaves_others_unchanged(setup):
     """A request aborted mid-block decodes along until the boundary, is never returned, and its
     pages are freed there; the others still equal dense; the pool ends empty."""
     model, config, prompts, params, ref = setup
-    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
+    eng = make_engine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
     reqs = [eng.add_request(p, params) for p in prompts]
     returned = []
     for _ in range(3):  # into the first block: step 0, the fused draft step, step 2
@@ -258,7 +256,7 @@ def test_abort_mid_block_frees_pages_and_leaves_others_unchanged(setup):
 
 def test_abort_waiting_request_never_runs():
     model, config = _model("tiny-sdar")
-    eng = OffloadEngine(model, config, MODES["herald"], max_batch_size=1, max_seq_len=256)
+    eng = make_engine(model, config, MODES["herald"], max_batch_size=1, max_seq_len=256)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     a, b = (eng.add_request(p, params) for p in _prompts(config, [40, 50]))
     eng.abort(b)
@@ -276,7 +274,14 @@ def test_random_prefill_decodes_and_times_blocks(mode):
     last block (nothing follows it)."""
     model, config = _model("tiny-llada2")
     cfg = OffloadConfig(**{**vars(MODES[mode]), "kv_budget": 0.2})
-    eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True)
+    eng = make_engine(
+        model,
+        config,
+        cfg,
+        max_batch_size=2,
+        max_seq_len=320,
+        hooks=EngineHooks(synthetic_prefill=SyntheticPrefill()),
+    )
     params = SamplingParams(max_new_tokens=64, num_denoise_steps=4, ignore_eos=True)
     reqs = eng.generate(_prompts(config, [192, 256]), params)  # whole blocks
     eng.close()
@@ -298,10 +303,9 @@ def test_chunked_prefill_across_boundaries_equals_dense():
     model, config = _model("tiny-llada2")
     prompts = _prompts(config, [20, 300, 45, 200, 7], seed=5)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 64, 40, 50, 96)]
-    dense = DenseEngine(model, config, max_batch_size=2, max_seq_len=512)
+    dense = make_engine(model, config, None, max_batch_size=2, max_seq_len=512)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
-    eng = OffloadEngine(
-        model, config, MODES["herald"], max_batch_size=2, max_seq_len=512,
+    eng = make_engine(model, config, MODES["herald"], max_batch_size=2, max_seq_len=512,
         prefill_chunk_tokens=32, max_prefill_tokens=64,
     )  # fmt: skip
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -309,9 +313,10 @@ def test_chunked_prefill_across_boundaries_equals_dense():
     overlapped = 0
     while eng.has_unfinished():
         eng.step()
-        if eng._prefilling is not None and len(eng.batch):
+        prefilling = eng.scheduler.prefilling
+        if prefilling is not None and len(eng.batch):
             overlapped += 1
-            if eng._prefilling.req is extra and eng._prefilling.pos >= 64:
+            if prefilling.request is extra and prefilling.pos >= 64:
                 eng.abort(extra)
     eng.close()
     assert [r.output_ids for r in reqs] == ref
@@ -331,7 +336,7 @@ def test_cuda_graphs_equal_eager_with_retrieval_thread():
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.3)
     outs = []
     for graphs in (False, True):
-        eng = OffloadEngine(
+        eng = make_engine(
             model, config, cfg, max_batch_size=4, max_seq_len=256, use_cuda_graph=graphs
         )
         outs.append([r.output_ids for r in eng.generate(prompts, params)])
@@ -353,7 +358,7 @@ def test_kv_pad_makes_outputs_independent_of_batch_mates(device):
 
     def offload(prompts, mode, seq=1024):
         cfg = OffloadConfig.for_mode(mode, kv_budget=0.05, selection_threads=2)
-        eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=seq, kv_pad=512)
+        eng = make_engine(model, config, cfg, max_batch_size=2, max_seq_len=seq, kv_pad=512)
         out = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()
         return out
@@ -364,20 +369,18 @@ def test_kv_pad_makes_outputs_independent_of_batch_mates(device):
         for m in mates:
             assert offload([a, m], mode)[0] == alone, mode
             assert offload([m, a], mode)[1] == alone, mode
-    dense = DenseEngine(model, config, max_batch_size=2, max_seq_len=1024, kv_pad=512)
+    dense = make_engine(model, config, None, max_batch_size=2, max_seq_len=1024, kv_pad=512)
     alone = dense.generate([a], params)[0].output_ids
     for m in mates:
-        eng = DenseEngine(model, config, max_batch_size=2, max_seq_len=1024, kv_pad=512)
+        eng = make_engine(model, config, None, max_batch_size=2, max_seq_len=1024, kv_pad=512)
         assert eng.generate([m, a], params)[1].output_ids == alone
 
 
 def test_kv_pad_budget_one_equals_dense_with_kv_pad(setup):
     model, config, prompts, params, _ = setup
-    dense = DenseEngine(model, config, max_batch_size=3, max_seq_len=256, kv_pad=512)
+    dense = make_engine(model, config, None, max_batch_size=3, max_seq_len=256, kv_pad=512)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
-    eng = OffloadEngine(
-        model, config, MODES["herald"], max_batch_size=3, max_seq_len=256, kv_pad=512
-    )
+    eng = make_engine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256, kv_pad=512)
     got = [r.output_ids for r in eng.generate(prompts, params)]
     eng.close()
     assert got == ref
@@ -405,12 +408,12 @@ def _trained_model_setup():
     with open(json.decoder.__file__, encoding="utf-8") as f:
         ids = tok.encode(f.read())[-400:]
     params = SamplingParams(max_new_tokens=64, num_denoise_steps=4)
-    dense = DenseEngine(model, config, max_batch_size=1, max_seq_len=512)
+    dense = make_engine(model, config, None, max_batch_size=1, max_seq_len=512)
     return model, config, ids, params, dense.generate([ids], params)[0].output_ids
 
 
 def _offload_output(model, config, mode, ids, params):
-    eng = OffloadEngine(model, config, MODES[mode], max_batch_size=1, max_seq_len=512)
+    eng = make_engine(model, config, MODES[mode], max_batch_size=1, max_seq_len=512)
     try:
         return eng.generate([ids], params)[0].output_ids
     finally:
@@ -445,7 +448,7 @@ def test_budget_one_equals_dense_with_the_draft_step_on_the_trained_model(monkey
     model, config, ids, params, _ = _trained_model_setup()
     if _row_variant_matmul(model, config.block_size) is not None:
         monkeypatch.setattr(torch.nn.Linear, "forward", _rowwise_linear)
-    dense = DenseEngine(model, config, max_batch_size=1, max_seq_len=512)
+    dense = make_engine(model, config, None, max_batch_size=1, max_seq_len=512)
     ref = dense.generate([ids], params)[0].output_ids
     assert _offload_output(model, config, "herald", ids, params) == ref
 
@@ -455,7 +458,14 @@ def test_lookahead_off_counts_the_synchronous_selection_as_stall():
     thread: the block waits for all of it, so the stall is at least the retrieval time."""
     model, config = _model("tiny-llada2")
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.2, lookahead="off")
-    eng = OffloadEngine(model, config, cfg, max_batch_size=2, max_seq_len=320, random_prefill=True)
+    eng = make_engine(
+        model,
+        config,
+        cfg,
+        max_batch_size=2,
+        max_seq_len=320,
+        hooks=EngineHooks(synthetic_prefill=SyntheticPrefill()),
+    )
     params = SamplingParams(max_new_tokens=96, num_denoise_steps=2, ignore_eos=True)
     eng.generate(_prompts(config, [192, 192]), params)
     eng.close()

@@ -8,7 +8,7 @@ import functools
 from herald.eval.sources import Corpus
 from herald.eval.tasks import TaskConfig
 from herald.models.registry import get_preset
-from herald.tokenizer import Tokenizer, byte_level_tokenizer
+from herald.models.tokenizer import Tokenizer, byte_level_tokenizer
 
 SMALL = TaskConfig(
     control_tokens=64, infile_tokens=64, min_distance=150, line_setting="cross_file_first"

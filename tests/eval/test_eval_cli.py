@@ -85,8 +85,8 @@ def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
 
 
 def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
-    """A context past the model's positions used to be cut silently, and reported under the
-    asked-for label; now it is refused before any example is built."""
+    """A context past the model's positions is refused before any example is built (not cut
+    silently and reported under the asked-for label)."""
     args = [a if a != "256" else "10000000" for a in ARGS]
     out = tmp_path / "x"
     assert main([*args, "--out", str(out)]) == 2
@@ -98,14 +98,14 @@ def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
 def test_eval_labels_the_bundled_checkpoint_as_trained():
     import argparse
 
-    from herald.eval.cli import _model_info
+    from herald.eval.cli_checks import model_info
     from herald.models.loader import load_model
 
     _, config, _ = load_model("code-sdar", "cpu")
-    info = _model_info(argparse.Namespace(model="code-sdar"), config)
+    info = model_info(argparse.Namespace(model="code-sdar"), config)
     assert info["random_weights"] is False and len(info["config_sha256"]) == 64
     _, config, _ = load_model("tiny-sdar", "cpu")
-    assert _model_info(argparse.Namespace(model="tiny-sdar"), config)["random_weights"] is True
+    assert model_info(argparse.Namespace(model="tiny-sdar"), config)["random_weights"] is True
 
 
 def test_report_names_the_planned_units_of_parts_not_run(tmp_path):

@@ -39,7 +39,7 @@ def test_scores():
 
 
 def test_paired_bootstrap_levels():
-    from herald.eval.report import paired_bootstrap
+    from herald.eval.stats import paired_bootstrap
 
     a = [0.3, 0.5, 0.4, 0.9, 0.2, 0.6, 0.7, 0.1] * 4
     b = [0.2, 0.5, 0.1, 0.6, 0.2, 0.3, 0.7, 0.2] * 4
@@ -54,7 +54,7 @@ def test_paired_bootstrap_levels():
 def test_mean_paired_bootstrap():
     import pytest
 
-    from herald.eval.report import mean_paired_bootstrap, paired_bootstrap
+    from herald.eval.stats import mean_paired_bootstrap, paired_bootstrap
 
     a = [0.3, 0.5, 0.4, 0.9, 0.2, 0.6, 0.7, 0.1] * 4
     b = [0.2, 0.5, 0.1, 0.6, 0.2, 0.3, 0.7, 0.2] * 4
@@ -103,7 +103,7 @@ def test_line_variants_table(tmp_path, capsys):
 
 
 def test_crossing_budget_interpolates_between_the_budgets_around_the_target():
-    from herald.eval.report import crossing_budget
+    from herald.eval.stats import crossing_budget
 
     recall = {0.05: 0.745, 0.025: 0.55, 0.075: 0.835}  # any order
     first, interpolated = crossing_budget(recall, 0.779)

@@ -14,12 +14,12 @@ from herald.eval.recall import (
     AnalysisConfig,
     _ExactAttention,
     analyse_pair,
-    capture_dense,
     importance,
     recall_of,
     summarise,
     topk_mask,
 )
+from herald.eval.recall_capture import capture_dense
 from herald.models.registry import build_model, get_preset
 
 

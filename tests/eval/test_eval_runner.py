@@ -47,7 +47,9 @@ def test_acceptance_lines_from_a_committed_run():
     small is flagged as a rough check."""
     from pathlib import Path
 
-    from herald.eval.report import acceptance, collect, summary_table
+    from herald.eval.acceptance import acceptance
+    from herald.eval.report import collect
+    from herald.eval.summary import summary_table
 
     units, _ = collect(Path(__file__).parents[2] / "results" / "eval" / "cpu-run3-line")
     lines = acceptance(units, summary_table(units))
@@ -73,7 +75,10 @@ def test_acceptance_average_intervals_of_two_tasks():
     first budget within 1 point; known values of the committed run."""
     from pathlib import Path
 
-    from herald.eval.report import acceptance, collect, mean_paired_bootstrap, summary_table
+    from herald.eval.acceptance import acceptance
+    from herald.eval.report import collect
+    from herald.eval.stats import mean_paired_bootstrap
+    from herald.eval.summary import summary_table
 
     out = Path(__file__).parents[2] / "results" / "eval" / "gpu-run3-random" / "8k"
     units, _ = collect(out)
@@ -109,7 +114,8 @@ def test_report_header_line_setting_and_random_weights():
     import copy
     from pathlib import Path
 
-    from herald.eval.report import collect, markdown
+    from herald.eval.report import collect
+    from herald.eval.report_markdown import markdown
 
     units, selections = collect(
         Path(__file__).parents[2] / "results" / "eval" / "gpu-run3-random" / "8k"
@@ -181,3 +187,30 @@ def test_report_refuses_to_merge_other_runs(tmp_path):
     )
     with pytest.raises(ValueError, match="two different recall_8192 example selections"):
         collect(other_selection)
+
+
+def test_report_without_matplotlib_writes_its_tables_and_says_so(tmp_path, monkeypatch, capsys):
+    """matplotlib is the ``plot`` extra: without it the report of a committed run (with a
+    Fig. 7/9 analysis) writes results.json and its tables, draws no plot, and one line on
+    stderr says that the plots were skipped and how to get them."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from herald.eval.report import write_report
+
+    run = Path(__file__).parents[2] / "results" / "eval" / "cpu-run2"
+    for sub in ("runs", "examples"):
+        shutil.copytree(run / sub, tmp_path / sub)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    readme = write_report(tmp_path).read_text()
+    assert "## Table I analog: 4096-token contexts" in readme and "## Acceptance checks" in readme
+    assert "## Fig. 7 analog" in readme and "## Fig. 9 analog" in readme
+    assert "no plots (pip install 'herald[plot]'" in readme and "Plots:" not in readme
+    assert (tmp_path / "results.json").is_file() and not list(tmp_path.glob("*.png"))
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "plots skipped" in line] == [
+        "eval report: plots skipped (matplotlib is not installed); for plots: "
+        "pip install 'herald[plot]' (from a checkout: pip install -e '.[plot]')"
+    ]

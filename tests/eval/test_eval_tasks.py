@@ -11,16 +11,11 @@ import re
 import pytest
 from eval_helpers import SMALL, stdlib_corpus, tokenizer
 
+from herald.eval.line_targets import first_use_candidates, line_candidates
+from herald.eval.line_task import import_statements
+from herald.eval.recall_task import eligible_identifier
 from herald.eval.sources import Corpus, SourceFile
-from herald.eval.tasks import (
-    TaskConfig,
-    build_examples,
-    eligible_identifier,
-    first_use_candidates,
-    import_statements,
-    line_candidates,
-    selection_hash,
-)
+from herald.eval.tasks import TaskConfig, build_examples, selection_hash
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +213,8 @@ def test_line_prompt_holds_the_files_imports(corpus, tok):
 
 
 def test_later_use_candidates_are_uses_after_the_first():
+    from herald.eval.line_targets import first_use_candidates, later_use_candidates
     from herald.eval.sources import SourceFile
-    from herald.eval.tasks import first_use_candidates, later_use_candidates
 
     text = "from .a import wait, go\n\n\ndef f(x):\n    y = wait(x, 1)\n    z = wait(x, 2)\n"
     text += "    w = wait(go(x), 3)\n    return wait(go(y))\n"
@@ -258,16 +253,16 @@ def test_line_settings(corpus, tok):
 def test_cross_file_random_finds_each_files_candidates_once(corpus, tok, monkeypatch):
     """A build visits files many times; their candidate lines are computed once per build
     (tokenizing and walking a file at every visit made 1,000-example builds minutes long)."""
-    import herald.eval.tasks as tasks
+    import herald.eval.line_task as line_task
 
     calls: list[str] = []
-    real = tasks.line_candidates
+    real = line_task.line_candidates
 
     def counting(f, cross, package):
         calls.append(f.rel)
         return real(f, cross, package)
 
-    monkeypatch.setattr(tasks, "line_candidates", counting)
+    monkeypatch.setattr(line_task, "line_candidates", counting)
     cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random"})
     ex = build_examples("line", corpus, tok, 1024, 40, cfg)
     assert len(ex) == 40 and len(calls) == len(set(calls))
@@ -280,16 +275,16 @@ def test_cross_file_random_cache_builds_what_the_uncached_reference_builds(
     corpus, tok, monkeypatch, seed
 ):
     """The reference: every visit recomputes the file's candidates (a fresh cache per call)."""
-    import herald.eval.tasks as tasks
+    import herald.eval.line_task as line_task
 
     cfg = TaskConfig(**{**SMALL.__dict__, "line_setting": "cross_file_random", "seed": seed})
     cached = build_examples("line", corpus, tok, 1024, 30, cfg)
-    real = tasks._pick_random_use
+    real = line_task._pick_random_use
 
     def uncached(*args):
         return real(*args[:-1], {})
 
-    monkeypatch.setattr(tasks, "_pick_random_use", uncached)
+    monkeypatch.setattr(line_task, "_pick_random_use", uncached)
     reference = build_examples("line", corpus, tok, 1024, 30, cfg)
     assert selection_hash(cached) == selection_hash(reference)
     assert [e.meta for e in cached] == [e.meta for e in reference]
@@ -336,8 +331,9 @@ def test_prompts_end_at_token_boundaries_of_the_bpe_tokenizer():
     indentation are one token) ends inside a token: such uses are not eligible."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    from herald.eval.line_task import line_prompt_text
+    from herald.eval.recall_task import ends_at_token_boundary
     from herald.eval.sources import SourceFile
-    from herald.eval.tasks import ends_at_token_boundary, line_prompt_text
     from herald.models.loader import bundled_checkpoint
 
     bpe = HFTokenizer.from_file(str(bundled_checkpoint("code-sdar") / "tokenizer.json"))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from herald.kv.selection_ref import SelectionResult, select_topk_torch
+from herald.offload.selection.ref import SelectionResult, select_topk_torch
 
 
 @dataclass

@@ -8,9 +8,9 @@ import pytest
 import torch
 from selection_utils import check_selection, make_inputs, reference, rel_err
 
-from herald.kv import _kernel
-from herald.kv.selection import NonFiniteScoreError, gather_selected, select_topk
-from herald.kv.selection_ref import gather_selected_torch
+from herald.offload.selection import _kernel
+from herald.offload.selection.cpu import NonFiniteScoreError, gather_selected, select_topk
+from herald.offload.selection.ref import gather_selected_torch
 
 NATIVE = _kernel.load_native()
 HAS_AVX512 = bool(NATIVE and NATIVE.has_avx512bf16)
@@ -243,7 +243,7 @@ def test_bad_arguments(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fallback_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import herald.kv.selection as sel
+    import herald.offload.selection.cpu as sel
 
     monkeypatch.setattr(_kernel, "load_native", lambda: None)
     monkeypatch.setattr(_kernel, "_reason", "simulated: no compiler")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from selection_utils import check_selection, make_inputs, reference
 
-from herald.kv import _kernel, _kernel_build
-from herald.kv.selection import select_topk
+from herald.offload.selection import _kernel, _kernel_build
+from herald.offload.selection.cpu import select_topk
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from selection_utils import Inputs, check_selection, make_inputs, reference, rel_err
 
-from herald.kv import _kernel, _kernel_build
-from herald.kv.selection import gather_selected, select_topk
-from herald.kv.selection_ref import SelectionResult, select_topk_torch
+from herald.offload.selection import _kernel, _kernel_build
+from herald.offload.selection.cpu import gather_selected, select_topk
+from herald.offload.selection.ref import SelectionResult, select_topk_torch
 
 NATIVE = _kernel.load_native()
 HAS_AVX512 = bool(NATIVE and NATIVE.has_avx512bf16)

@@ -1,7 +1,7 @@
-"""Slow, obviously-correct implementations written straight from the model spec, for tests only.
+"""Slow, obviously-correct implementations written straight from docs/MODELS.md, for tests only.
 
 Nothing here imports herald's layers: the reference forward reads an HF checkpoint's tensors by
-their *HF names* (model spec §1.2, §2.2), so a mistake in herald's name mapping, fused-projection
+their *HF names* (docs/MODELS.md §4, §5), so a mistake in herald's name mapping, fused-projection
 layout or stacked-expert layout shows up as a mismatch.
 """
 
@@ -51,7 +51,7 @@ def moe_token(
     top_k: int,
     scale: float,
 ) -> torch.Tensor:
-    """One token [H] through the BailingMoeV2 block, with Python loops (spec §2.2)."""
+    """One token [H] through the BailingMoeV2 block, with Python loops (docs/MODELS.md §6)."""
     num_experts = w_gate.shape[0]
     scores = torch.sigmoid(w_gate.float() @ h.float())  # [E]
     biased = scores + bias.float()

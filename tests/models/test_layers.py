@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE against the spec formulas (model spec §1.2, §1.3, §2.3)."""
+"""RMSNorm and RoPE against the formulas of docs/MODELS.md §1 and §2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model definitions: exact checkpoint names/shapes, the layer split, and the math vs the spec."""
+"""Model definitions: exact checkpoint names/shapes, the layer split, the math vs docs/MODELS.md."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_llada2_mini_has_the_spec_tensors() -> None:
     assert len(expected) == 3 + 20 * 6 + 3 + 19 * (2 + 3 * 256 + 3)
     _check_full_size("llada2-mini", expected)
     total = sum(s.numel for s in weight_specs(get_preset("llada2-mini")))
-    assert 16.2e9 < total < 16.3e9  # "16B total" (spec §2.2)
+    assert 16.2e9 < total < 16.3e9  # "16B total" (docs/MODELS.md §5)
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
@@ -133,7 +133,8 @@ def test_forward_equals_finish_of_attention_of_qkv(preset: str) -> None:
 def test_logits_match_the_naive_spec_forward(
     preset: str, tiny_checkpoint: Callable[..., Path]
 ) -> None:
-    """herald's model vs a from-the-spec forward that reads the checkpoint by HF names."""
+    """herald's model vs a forward written from docs/MODELS.md that reads the checkpoint by HF
+    names."""
     ckpt = tiny_checkpoint(preset)
     model, config, _ = load_model(ckpt, "cpu", torch.float32)
     sd = load_file(str(ckpt / "model.safetensors"))

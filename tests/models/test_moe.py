@@ -1,4 +1,4 @@
-"""The BailingMoeV2 MoE block (model spec §2.2): routing, reference path, grouped-GEMM path."""
+"""The BailingMoeV2 MoE block (docs/MODELS.md §6): routing, reference path, grouped-GEMM path."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import AddedToken
 
 from herald.models.registry import get_preset
-from herald.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
+from herald.models.tokenizer import Tokenizer, byte_level_tokenizer, load_tokenizer
 
 TEXTS = ["", "hello", "héllo wörld ✓ 🚀\n\ttabs", "def f(x):\n    return x ** 2\n"]
 ALL_PRESETS = ["tiny-sdar", "tiny-llada2", "sdar-8b-chat", "llada2-mini"]

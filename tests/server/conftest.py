@@ -13,12 +13,13 @@ import pytest
 import torch
 import uvicorn
 from fastapi import FastAPI
+from helpers import make_engine
 
 from herald.cli import main as cli_main
-from herald.config import SamplingParams
-from herald.engine.dense import DenseEngine
+from herald.config import OffloadConfig, SamplingParams
 from herald.models.loader import load_model
 from herald.server.api import ServerState
+from herald.server.defaults import SERVE_DEFAULTS
 from herald.server.launch import build_app
 
 MODEL = "tiny-sdar"
@@ -71,8 +72,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(dtype: torch.dtype = torch.float32, **kwargs: object) -> LiveServer:
-    app = build_app(MODEL, device="cpu", dtype=dtype, max_seq_len=MAX_SEQ_LEN, **kwargs)  # type: ignore[arg-type]
+def start_server(
+    dtype: torch.dtype = torch.float32,
+    *,
+    api_key: str | None = None,
+    mode: str = "dense",
+    offload: OffloadConfig | None = None,
+    **engine_fields: object,
+) -> LiveServer:
+    """A live server over ``herald serve``'s engine settings with ``engine_fields`` changed."""
+    if mode != "dense" and offload is None:
+        offload = OffloadConfig.for_mode(mode)
+    engine = SERVE_DEFAULTS.replace(max_seq_len=MAX_SEQ_LEN, offload=offload, **engine_fields)
+    app = build_app(MODEL, engine, device="cpu", dtype=dtype, api_key=api_key)
     port = _free_port()
     cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(cfg)
@@ -110,7 +122,9 @@ class Offline:
         self.model, self.config, self.tokenizer = load_model(MODEL, "cpu", torch.float32)
 
     def run(self, prompt: str, params: SamplingParams) -> list[int]:
-        engine = DenseEngine(self.model, self.config, max_batch_size=1, max_seq_len=MAX_SEQ_LEN)
+        engine = make_engine(
+            self.model, self.config, None, max_batch_size=1, max_seq_len=MAX_SEQ_LEN
+        )
         (req,) = engine.generate([self.tokenizer.encode(prompt)], params)
         return list(req.output_ids)
 

@@ -11,8 +11,8 @@ import pytest
 from conftest import LiveServer
 
 from herald.models.registry import get_preset
+from herald.models.tokenizer import byte_level_tokenizer
 from herald.server.chat import ChatTemplate, ChatTemplateError
-from herald.tokenizer import byte_level_tokenizer
 
 # A ChatML template in the style of the Qwen family's, with an input check.
 TEMPLATE = (

@@ -25,8 +25,9 @@ def test_long_prompt_prefilled_in_chunks_next_to_a_running_request(
 
         def admit() -> None:
             real_admit()
-            if engine._prefilling is not None and len(engine.batch):
-                mid_prefill.append(engine._prefilling.request_id)
+            prefilling = engine.scheduler.prefilling
+            if prefilling is not None and len(engine.batch):
+                mid_prefill.append(prefilling.request.request_id)
 
         monkeypatch.setattr(engine, "_admit", admit)
         short = {"prompt": "import os\n", "max_tokens": 128}

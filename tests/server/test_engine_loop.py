@@ -1,4 +1,5 @@
-"""EngineLoop admission and failure handling, driven directly (no HTTP, tiny-sdar on the CPU)."""
+"""Admission (the scheduler, as the server drives it) and failure handling of the engine loop,
+driven directly (no HTTP, tiny-sdar on the CPU)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import make_engine
 
 from herald.config import OffloadConfig, SamplingParams
-from herald.engine.dense import DenseEngine
-from herald.engine.offload import OffloadEngine
+from herald.engine.request import RequestStatus
+from herald.engine.scheduler import QueueFullError
+from herald.kv.manager import RequestTooLarge
 from herald.models.loader import load_model
-from herald.server.engine_loop import EngineDeadError, EngineLoop, Handle
+from herald.server.engine_loop import EngineDeadError, EngineLoop
 
 PARAMS = SamplingParams(max_new_tokens=32, num_denoise_steps=2)
 
@@ -30,61 +33,93 @@ def aloop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def _submit(loop: EngineLoop, aloop: asyncio.AbstractEventLoop, lengths: list[int]) -> list:
-    handles = [loop.submit([7] * n, PARAMS, aloop) for n in lengths]
-    loop._drain(block=False)  # the engine thread's side, run here (the thread is not started)
-    return handles
+def _running(reqs: list) -> int:
+    return sum(r.status != RequestStatus.WAITING for r in reqs)
 
 
-def _handed(h: Handle) -> bool:
-    return h.request is not None
-
-
-def test_prefill_budget_admits_a_bounded_chunk_per_boundary(tiny, aloop) -> None:
+def test_prefill_budget_bounds_the_prompt_tokens_of_each_boundary(tiny, aloop) -> None:
+    """max_prefill_tokens=70 (B = 32: 64 per boundary): prompts of 32, 32, 192, 0, 0 prefill
+    tokens (the tail of a prompt is in its first block) join over the boundaries as the budget
+    allows, the long one in chunks, the head never overtaken."""
     model, config, _ = tiny
-    engine = DenseEngine(model, config, max_batch_size=8, max_seq_len=256, use_cuda_graph=False)
-    loop = EngineLoop(engine, max_prefill_tokens=40)
-    hs = _submit(loop, aloop, [30, 30, 100, 5, 5])
-    admitted = []
-    for _ in range(4):
-        loop._feed()
-        engine.step()  # admits what was handed over
-        admitted.append(sum(map(_handed, hs)))
-    # 30 | 30 | 100 (alone: longer than the budget) | 5 + 5
-    assert admitted == [1, 2, 3, 5]
-
-
-def test_slots_bound_what_is_handed_over(tiny, aloop) -> None:
-    model, config, _ = tiny
-    engine = DenseEngine(model, config, max_batch_size=2, max_seq_len=256, use_cuda_graph=False)
+    engine = make_engine(
+        model, config, None, max_batch_size=8, max_seq_len=256, max_prefill_tokens=70,
+        use_cuda_graph=False,
+    )  # fmt: skip
     loop = EngineLoop(engine)
-    hs = _submit(loop, aloop, [10, 10, 10])
-    loop._feed()
-    assert [_handed(h) for h in hs] == [True, True, False]
+    hs = [loop.submit([7] * n, PARAMS, aloop) for n in (40, 40, 200, 10, 10)]
+    reqs = [h.request for h in hs]
+    joined, prefilled = [], []
+    for _ in range(5):
+        before = engine.stats.num_prefill_tokens
+        engine.step()
+        joined.append(_running(reqs))
+        prefilled.append(engine.stats.num_prefill_tokens - before)
+    # 32 + 32 | 64 of 192 | 64 | 64 (budget spent) | 0 + 0
+    assert joined == [2, 2, 2, 3, 5]
+    assert prefilled == [64, 64, 64, 64, 0]
+
+
+def test_slots_bound_admission(tiny, aloop) -> None:
+    model, config, _ = tiny
+    engine = make_engine(model, config, None, max_batch_size=2, max_seq_len=256)
+    loop = EngineLoop(engine)
+    hs = [loop.submit([7] * 10, PARAMS, aloop) for _ in range(3)]
     engine.step()
-    loop._feed()
-    assert not _handed(hs[2]) and len(engine.batch) == 2
+    assert [h.request.status for h in hs].count(RequestStatus.RUNNING) == 2
+    assert hs[2].request.status == RequestStatus.WAITING and engine.num_waiting == 1
 
 
-def test_cpu_pool_pages_bound_what_is_handed_over(tiny, aloop) -> None:
+def test_cpu_pool_pages_bound_admission(tiny, aloop) -> None:
     model, config, _ = tiny
     cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, cpu_kv_tokens=8 * 32)
-    engine = OffloadEngine(model, config, cfg, max_batch_size=4, max_seq_len=256)
+    engine = make_engine(model, config, cfg, max_batch_size=4, max_seq_len=256)
     try:
         loop = EngineLoop(engine)
-        hs = _submit(loop, aloop, [10, 10, 10])  # 10 + 32 tokens: 2 blocks + 1 = 3 pages each
-        loop._feed()
-        assert [_handed(h) for h in hs] == [True, True, False]  # 6 of 8 pages promised
+        # 10 + 32 tokens: 2 blocks + 1 = 3 pages each; the pool holds 8
+        hs = [loop.submit([7] * 10, PARAMS, aloop) for _ in range(3)]
         engine.step()
-        assert engine.cpu_pool.num_used_pages == 6
-        loop._feed()
-        assert not _handed(hs[2])
-        while engine.has_unfinished():  # the first two finish and leave: pages come back
+        assert _running([h.request for h in hs]) == 2
+        assert engine.usage().cpu_pages_used == 6
+        while _running([hs[2].request]) == 0:  # the first two finish and leave: pages come back
+            assert engine.has_unfinished()
             engine.step()
-            loop._feed()
-        assert _handed(hs[2])
+        assert all(h.request.status.finished for h in hs[:2])
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.usage().cpu_pages_used == 0
     finally:
         engine.close()
+
+
+def test_a_request_larger_than_the_cpu_pool_is_refused_at_submit(tiny, aloop) -> None:
+    model, config, _ = tiny
+    cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, cpu_kv_tokens=8 * 32)
+    engine = make_engine(model, config, cfg, max_batch_size=4, max_seq_len=512)
+    try:
+        loop = EngineLoop(engine)
+        with pytest.raises(RequestTooLarge, match="CPU pool holds 8") as err:
+            loop.submit([7] * 10, SamplingParams(max_new_tokens=300), aloop)  # 11 pages
+        assert err.value.code == "kv_capacity_exceeded"
+        small = loop.submit([7] * 10, PARAMS, aloop)
+        engine.step()
+        assert small.request.status == RequestStatus.RUNNING and engine.num_waiting == 0
+    finally:
+        engine.close()
+
+
+def test_waiting_queue_bound(tiny, aloop) -> None:
+    """max_waiting counts requests beyond the free slots: 1 slot + 1 waiting, then 503."""
+    model, config, _ = tiny
+    engine = make_engine(model, config, None, max_batch_size=1, max_seq_len=256, max_waiting=1)
+    loop = EngineLoop(engine)
+    loop.submit([7] * 10, PARAMS, aloop)
+    second = loop.submit([7] * 10, PARAMS, aloop)
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        loop.submit([7] * 10, PARAMS, aloop)
+    loop.cancel(second)  # a waiting request leaves at once: room again
+    assert second.request.status == RequestStatus.FINISHED_ABORTED
+    loop.submit([7] * 10, PARAMS, aloop)
 
 
 def _broken() -> None:
@@ -93,15 +128,15 @@ def _broken() -> None:
 
 def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny) -> None:
     model, config, tokenizer = tiny
-    engine = DenseEngine(model, config, max_batch_size=2, max_seq_len=256, use_cuda_graph=False)
+    engine = make_engine(model, config, None, max_batch_size=2, max_seq_len=256)
     loop = EngineLoop(engine, max_step_failures=2)
     real_prefill = engine._prefill
     bad = tokenizer.encode("POISON" * 10)  # >= one block: a prefill runs
 
-    def prefill(req: Any, slot: int, *span: int) -> None:
-        if req.prompt_ids == bad:
+    def prefill(chunk: Any) -> None:
+        if chunk.request.prompt_ids == bad:
             raise RuntimeError("prefill failed")
-        real_prefill(req, slot, *span)
+        real_prefill(chunk)
 
     engine._prefill = prefill  # type: ignore[method-assign]
 
@@ -113,9 +148,10 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
                 return kind, val
 
     async def go() -> None:
-        # A prefill failure fails the request being admitted, and the step's running requests.
+        # A prefill failure fails the request being admitted (and the step's running ones).
         kind, val = await one(bad)
         assert kind == "error" and "prefill failed" in str(val)
+        assert engine.usage().gpu_slots_used == 0  # its slot came back
         assert await one(tokenizer.encode("fine")) == ("done", "length")  # the loop goes on
         # Steps that fail without running anything: retried, then the engine is declared dead
         # (after 2 failures in a row here) and what waits fails.
@@ -131,20 +167,3 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
         asyncio.run(go())
     finally:
         loop.stop()
-
-
-def test_a_request_larger_than_the_cpu_pool_never_blocks_the_queue(tiny, aloop) -> None:
-    model, config, _ = tiny
-    cfg = OffloadConfig.for_mode("herald", kv_budget=1.0, cpu_kv_tokens=8 * 32)
-    engine = OffloadEngine(model, config, cfg, max_batch_size=4, max_seq_len=512)
-    try:
-        loop = EngineLoop(engine)
-        big = loop.submit([7] * 10, SamplingParams(max_new_tokens=300), aloop)  # 11 pages
-        (small,) = _submit(loop, aloop, [10])
-        loop._feed()
-        assert big.request is None and _handed(small)
-        aloop.run_until_complete(asyncio.sleep(0))  # deliver the pushed items
-        kind, _ = big.queue.get_nowait()
-        assert kind == "rejected"
-    finally:
-        engine.close()

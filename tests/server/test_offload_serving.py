@@ -26,13 +26,14 @@ from conftest import (
     assert_server_matches_cli,
     start_server,
 )
+from helpers import make_engine
 
 from herald.cli import main as cli_main
 from herald.config import OffloadConfig, SamplingParams
-from herald.engine.offload import OffloadEngine
-from herald.engine.request import RequestStatus, new_request
+from herald.diffusion.block import BlockLayout
+from herald.engine.request import RequestStatus
 from herald.models.loader import load_model
-from herald.server.served_engine import cpu_pages_needed
+from herald.offload.engine import OffloadEngine
 
 POOL_TOKENS = 256  # 8 pages of B = 32
 
@@ -59,7 +60,7 @@ class OfflineHerald:
         ids = self.tokenizer.encode(prompt)
         max_len = len(ids) + params.max_new_tokens + self.config.block_size
         cfg = OffloadConfig.for_mode("herald", kv_budget=1.0)
-        engine = OffloadEngine(self.model, self.config, cfg, max_batch_size=1, max_seq_len=max_len)
+        engine = make_engine(self.model, self.config, cfg, max_batch_size=1, max_seq_len=max_len)
         try:
             (req,) = engine.generate([ids], params)
         finally:
@@ -100,16 +101,18 @@ def _idle(s: LiveServer) -> bool:
     return not loop.engine.has_unfinished() and loop.num_running == 0 and loop.num_waiting == 0
 
 
-def _record_steps(s: LiveServer, monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list:
-    """Wrap the engine's step: optional delay; record (rows, CPU pages used, aborted rows)
-    after each."""
+def _record_steps(
+    s: LiveServer, monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None
+) -> list:
+    """Wrap the engine's step: wait for ``gate`` (when given) before each; record (rows, CPU
+    pages used, aborted rows) after each."""
     engine = _engine(s)
     real_step = engine.step
     seen: list[tuple[int, int, int]] = []
 
     def step() -> Any:
-        if delay:
-            time.sleep(delay)
+        if gate is not None:
+            gate.wait()
         out = real_step()
         reqs = engine.batch.requests
         aborted = sum(r.status == RequestStatus.FINISHED_ABORTED for r in reqs)
@@ -190,11 +193,14 @@ def test_cancel_mid_block_frees_cpu_pages_for_waiting_requests(
     herald_server: LiveServer, offline_herald: OfflineHerald, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s, engine = herald_server, _engine(herald_server)
-    seen = _record_steps(s, monkeypatch, delay=0.01)  # 32 steps per block of the long one
+    gate = threading.Event()
+    gate.set()
+    seen = _record_steps(s, monkeypatch, gate)
     monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # the long one must not end early
     loop = s.state.engine_loop
     aborted = loop.num_aborted
-    # 6 of the 8 pages: the short ones (3 pages each) cannot join until it leaves.
+    # 6 of the 8 pages, 32 steps per block: the short ones (3 pages each) cannot join until it
+    # leaves.
     long_body = {"prompt": "a long one", "max_tokens": 150, "threshold": 1.0, "stream": True}
     short = {"prompt": "others wait for pages", "max_tokens": 32, "steps": 2}
     results: list[httpx.Response] = []
@@ -204,14 +210,19 @@ def test_cancel_mid_block_frees_cpu_pages_for_waiting_requests(
             for _ in range(2)
         ]
         with c.stream("POST", "/v1/completions", json=long_body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break  # its first block arrived: it is mid-generation
+            lines = r.iter_lines()  # kept open: leaving this block closes the stream
+            while not next(lines).startswith("data: "):
+                pass  # its first block arrived: it is mid-generation
             for t in threads:
                 t.start()
             _wait(lambda: loop.num_waiting == 2)  # held back by the CPU pool, not by slots
+            long_req = engine.batch.requests[0]
+            _wait(lambda: long_req.steps_in_block >= 2)  # well inside its second block
+            gate.clear()  # the engine stops before its next step (at most one more runs)
             assert len(engine.batch) == 1 and engine.cpu_pool.num_used_pages == 6
         # Leaving the block closed the stream: the abort reaches the engine mid-block.
+        _wait(lambda: engine.scheduler.num_aborts_pending == 1)
+        gate.set()
         for t in threads:
             t.join(timeout=60)
     assert [r.status_code for r in results] == [200, 200]
@@ -264,11 +275,12 @@ def test_bad_inputs_while_a_good_request_completes(
     assert models == {"mode": "herald", "kv_budget": 1.0, "block_size": 32}
 
 
-def test_page_count_mirrors_the_engine(herald_server: LiveServer) -> None:
+def test_page_count_is_the_canvas_in_blocks_plus_one(herald_server: LiveServer) -> None:
     engine = _engine(herald_server)
     for prompt_len, n in ((1, 1), (10, 22), (31, 1), (32, 32), (33, 100), (100, 150)):
-        req = new_request([5] * prompt_len, SamplingParams(max_new_tokens=n), 32, 256, 320)
-        assert cpu_pages_needed(engine, prompt_len, n) == engine._pages_needed(req)
+        canvas = BlockLayout(prompt_len, 32, n).total_len
+        assert canvas % 32 == 0
+        assert engine.pages_needed(prompt_len, n) == canvas // 32 + 1
 
 
 def test_openai_client(herald_server: LiveServer, offline_herald: OfflineHerald) -> None:

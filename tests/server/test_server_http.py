@@ -155,9 +155,9 @@ def test_cancelled_stream_frees_its_slot(
             )
         )
         with c.stream("POST", "/v1/completions", json=long_body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break  # first block arrived: the request is mid-generation
+            lines = r.iter_lines()  # kept open: leaving this block closes the stream
+            while not next(lines).startswith("data: "):
+                pass  # first block arrived: the request is mid-generation
             t.start()
         # Leaving the block closed the stream.
         t.join(timeout=60)
@@ -322,9 +322,9 @@ def test_queue_full_503_and_api_key(
         queued: list[httpx.Response] = []
         loop = s.state.engine_loop
         with c.stream("POST", "/v1/completions", json=long_body, headers=auth) as running:
-            for line in running.iter_lines():
-                if line.startswith("data: "):
-                    break
+            lines = running.iter_lines()  # kept open: leaving this block closes the stream
+            while not next(lines).startswith("data: "):
+                pass  # first block arrived: the request holds the one slot
             body = {"prompt": "queued", "max_tokens": 16, "steps": 1}
             t = threading.Thread(
                 target=lambda: queued.append(c.post("/v1/completions", json=body, headers=auth))

@@ -28,7 +28,7 @@ L = B * NUM_BLOCKS
 
 
 def spec_mask(seq_len: int, block_size: int) -> torch.Tensor:
-    """The 2L mask written out block by block (model spec §1.3): [[BD, OBC], [0, BC]]."""
+    """The 2L mask written out block by block (the BD3-LM layout): [[BD, OBC], [0, BC]]."""
     nb = seq_len // block_size
     m = torch.zeros(2 * seq_len, 2 * seq_len, dtype=torch.bool)
     for i in range(nb):

@@ -10,7 +10,7 @@ from train_fixtures import module_text
 
 from herald.models.config import ModelConfig
 from herald.models.loader import hf_config_dict
-from herald.tokenizer import load_tokenizer
+from herald.models.tokenizer import load_tokenizer
 from herald.train import tokenizer_train as T
 from herald.train.config import ModelDims, model_config
 from herald.train.data import WindowSampler, load_cached_stream, save_stream

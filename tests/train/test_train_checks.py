@@ -22,7 +22,8 @@ from herald.cli import main
 from herald.models.loader import load_model
 from herald.train.checkpoint import save_checkpoint
 from herald.train.config import ModelDims, TrainConfig, check_values
-from herald.train.trainer import previous_runs, train
+from herald.train.run_outputs import previous_runs
+from herald.train.trainer import train
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "1"]
 TINY += ["--head-dim", "16", "--intermediate-size", "128", "--vocab-size", "320"]
@@ -183,7 +184,7 @@ def test_save_checkpoint_deletes_nothing_it_did_not_write(trained, tmp_path) -> 
     afile.write_text("mine\n")
     with pytest.raises(FileExistsError):
         save_checkpoint(model, config, tok, afile)
-    # The old save used (and deleted) fixed names beside the checkpoint.
+    # Folders of these fixed names beside the checkpoint are not the save's to use or delete.
     for name in ("ckpt.tmp", "ckpt.old"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "keep.txt").write_text(name)

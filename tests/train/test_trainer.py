@@ -13,7 +13,8 @@ import torch
 from herald.cli import main
 from herald.models.loader import load_model
 from herald.train.config import ModelDims, TrainConfig, check_checkpoint_size, model_config
-from herald.train.trainer import lr_at, train
+from herald.train.schedule import lr_at
+from herald.train.trainer import train
 
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "1"]
 TINY += ["--head-dim", "16", "--intermediate-size", "128", "--vocab-size", "320"]

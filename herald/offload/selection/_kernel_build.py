@@ -12,7 +12,7 @@ import hashlib
 import platform
 from pathlib import Path
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 
 #: Compiler flags (both the setup.py extension and the on-demand build use them).
 CXX_FLAGS = [

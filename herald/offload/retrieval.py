@@ -1,16 +1,16 @@
-"""The retrieval stream: block n+1's selection phase, run while block n denoises (paper §IV-B3).
+"""The retrieval stream: block n+1's selection phase, run while block n denoises (HERALD §IV-B3).
 
 A :class:`RetrievalWorker` owns one thread and, on CUDA, one CUDA stream. For each
 :class:`RetrievalJob` it runs a single-token forward of the representative [MASK] query at the
 centre of the next block through every layer:
 
 - dense layers (the first ``num_dense_layers``): exact attention on the GPU over the dense store's
-  prefix rows plus the tail block (the draft, or the completed block when lookahead is off);
-- offloaded layers: the query goes to the CPU, :func:`herald.kv.selection.select_topk` runs exact
-  attention over the CPU pool (prefix pages + tail page, the tail attended but never ranked) and
-  returns the output and the top-k rows; the GPU runs o_proj + FFN for the next layer while the
-  CPU gathers the selected K/V rows into pinned staging and one async copy per layer fills the
-  idle sparse pool.
+  prefix rows plus the tail block (the draft, or the completed block when lookahead is off); -
+  offloaded layers: the query goes to the CPU, :func:`~herald.offload.selection.cpu.select_topk`
+  runs exact attention over the CPU pool (prefix pages + tail page, the tail attended but never
+  ranked) and returns the output and the top-k rows; the GPU runs o_proj + FFN for the next layer
+  while the CPU gathers the selected K/V rows into pinned staging and one async copy per layer fills
+  the idle sparse pool.
 
 Fences (each has a NOTE where it is enforced):
 - the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete);
@@ -24,17 +24,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from herald.attention.prefix_tail import attend_prefix_and_tail
+from herald.engine.hooks import FaultInjection
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.dense_cache import attend_prefix_and_tail
 from herald.kv.pinned import PinnedStaging
-from herald.kv.selection import gather_selected, select_topk
 from herald.kv.sparse_pool import GpuSparseKVPool
+from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.models.base import BlockDiffusionLM, DecoderLayer
+from herald.offload.selection.cpu import gather_selected, select_topk
 
 
 @dataclass
@@ -98,7 +99,7 @@ class RetrievalWorker:
         *,
         output_mode: str = "full",
         num_threads: int | None = None,
-        delay: Callable[[], float] | None = None,
+        faults: FaultInjection | None = None,
         kv_pad: int = 0,
     ) -> None:
         self.model = model
@@ -108,7 +109,7 @@ class RetrievalWorker:
         self.cpu_pool, self.pool = cpu_pool, pool
         self.mask_token_id, self.block_size = mask_token_id, block_size
         self.output_mode, self.num_threads = output_mode, num_threads
-        self.delay = delay
+        self.faults = faults
         self.kv_pad = kv_pad  # dense layers' key length padding (SlotAttention's kv_pad)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -124,6 +125,10 @@ class RetrievalWorker:
         self._queue: queue.Queue[RetrievalJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="herald-retrieval", daemon=True)
         self._thread.start()
+
+    def staging_buffers(self) -> list[PinnedStaging]:
+        """The pinned staging buffers this worker owns, one per offloaded layer."""
+        return list(self._staging)
 
     def submit(self, job: RetrievalJob) -> RetrievalJob:
         job.t_submit = time.perf_counter()
@@ -146,6 +151,7 @@ class RetrievalWorker:
             staging.close()
 
     def _loop(self) -> None:
+        run_eagerly_in_this_thread()
         while True:
             job = self._queue.get()
             if job is None:
@@ -178,8 +184,7 @@ class RetrievalWorker:
 
     def _select(self, job: RetrievalJob) -> None:
         n, b = len(job.request_ids), self.block_size
-        if self.delay is not None:
-            time.sleep(self.delay())
+        self._inject_delay()
         ids = torch.full((n, 1), self.mask_token_id, dtype=torch.long, device=self.device)
         pos = torch.tensor(job.query_positions, dtype=torch.long, device=self.device)[:, None]
         hidden = self.model.embed(ids)
@@ -197,8 +202,11 @@ class RetrievalWorker:
             else:
                 o = self._offloaded_layer(job, layer_id, q, seq, tails, budgets)
             hidden = layer.finish(hidden, o)
-            if self.delay is not None:
-                time.sleep(self.delay())
+            self._inject_delay()
+
+    def _inject_delay(self) -> None:
+        if self.faults is not None and self.faults.max_delay > 0:
+            time.sleep(self.faults.delay())
 
     def _offloaded_layer(
         self,
@@ -238,6 +246,8 @@ class RetrievalWorker:
         # NOTE: no staging reuse before its copy is done: take() waits until the previous block's
         # H2D from this layer's buffer completed before the gather overwrites it.
         out = self._staging[slot].take((2, n, hkv, kmax, d))
+        if self.faults is not None and self.faults.poison_staging:
+            out.fill_(float("nan"))
         gather_selected(
             kp,
             vp,

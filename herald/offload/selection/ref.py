@@ -1,10 +1,10 @@
 """Pure-PyTorch selection: input checks, the reference (the spec) and the fallback.
 
-The native kernel (herald/csrc, wrapped by :mod:`herald.kv.selection`) must match
+The native kernel (herald/csrc, wrapped by :mod:`herald.offload.selection.cpu`) must match
 :func:`select_topk_torch` and :func:`gather_selected_torch`; the tests compare them on fresh random
 inputs, with ``compute_dtype=torch.float64`` as the reference. With ``torch.float32`` the same
 functions are the fallback used when the native library cannot be built or loaded.
-Semantics are those of DESIGN §3 / paper §IV-B4; see :func:`herald.kv.selection.select_topk`.
+Semantics are those of HERALD §IV-B4; see :func:`herald.offload.selection.cpu.select_topk`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from herald.offload.selection import topk
+from herald.offload.selection.topk import group_queries
 
 
 class NonFiniteScoreError(ValueError):
@@ -202,10 +205,8 @@ def select_topk_torch(
         ids = page_table[r, : (s + p - 1) // p]
         keys = _request_rows(k_pages, ids, s).to(compute_dtype)  # [Hkv, S, D]
         vals = _request_rows(v_pages, ids, s).to(compute_dtype)
-        # rows of KV head h: query heads h*G .. h*G+G-1 of every query, row = qi * G + g
-        qr = q[r].to(compute_dtype).view(sh.n_q, hkv, g, d).permute(1, 0, 2, 3)
-        qr = qr.reshape(hkv, sh.n_q * g, d)
-        scores = torch.matmul(qr, keys.transpose(1, 2)) * d**-0.5  # [Hkv, Qn, S]
+        qr = group_queries(q[r], hkv, compute_dtype)  # [Hkv, n_q * G, D]
+        scores = topk.scores(qr, keys, d)  # [Hkv, Qn, S]
         finite = torch.isfinite(scores).flatten(1).all(dim=1)
         if not bool(finite.all()):
             h = int((~finite).nonzero()[0])
@@ -215,8 +216,7 @@ def select_topk_torch(
             )
         probs = torch.softmax(scores, dim=-1)  # normalised over all S, tail included
         imp = probs.sum(dim=1)  # [Hkv, S]
-        order = torch.sort(imp[:, :ranked], dim=-1, descending=True, stable=True).indices[:, :k]
-        sel = torch.sort(order, dim=-1).values  # [Hkv, k]
+        sel = topk.topk_ascending(imp[:, :ranked], k)  # [Hkv, k]
         indices[r, :, :k] = sel.to(torch.int32)
         if imp_out is not None:
             imp_out[r, :, :s] = imp.float()

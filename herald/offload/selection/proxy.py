@@ -1,4 +1,4 @@
-"""InfiniGen-style selection proxy, adapted to once per block (DESIGN §4 "infinigen").
+"""InfiniGen-style selection proxy, adapted to once per block (docs/ARCHITECTURE.md, "Modes").
 
 Offline, from the weights alone, each KV head of each layer gets a few "proxy" channels: the
 head-dim channels whose query and key magnitudes are largest, so that the partial dot product
@@ -19,6 +19,13 @@ import math
 import torch
 
 from herald.models.common import QKNormDecoderLayer
+from herald.offload.selection.topk import (
+    all_positions,
+    group_queries,
+    importance,
+    scores,
+    topk_ascending,
+)
 
 
 @torch.no_grad()
@@ -80,11 +87,7 @@ def proxy_topk(
     if k <= 0:
         return torch.empty(hkv, 0, dtype=torch.long, device=q.device)
     if k == s:
-        return torch.arange(s, device=q.device).expand(hkv, s).clone()
-    g = hq // hkv
-    qh = q.float().view(n_q, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n_q * g, d)
-    qp = qh.gather(2, channels.to(q.device)[:, None, :].expand(hkv, n_q * g, r))
-    scores = torch.bmm(qp, partial_keys.float().transpose(1, 2)) * d**-0.5
-    imp = torch.softmax(scores, dim=-1).sum(dim=1)  # [Hkv, S]
-    order = torch.sort(imp, dim=-1, descending=True, stable=True).indices[:, :k]
-    return torch.sort(order, dim=-1).values
+        return all_positions(hkv, s, q.device)
+    qh = group_queries(q, hkv, torch.float32)
+    qp = qh.gather(2, channels.to(q.device)[:, None, :].expand(hkv, qh.shape[1], r))
+    return topk_ascending(importance(scores(qp, partial_keys.float(), d)), k)

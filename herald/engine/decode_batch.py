@@ -1,7 +1,8 @@
 """DecodeBatch: the block-diffusion state of the running requests, shared by every engine.
 
-Owns, per running request (row ``i`` = KV slot ``i``), the current block's tokens and mask bits on
-the model's device, and implements one denoising iteration's bookkeeping (DESIGN §5):
+Owns, per running request (row ``i`` = GPU KV slot ``i``), the current block's tokens and mask bits
+on the model's device, and implements one denoising iteration's bookkeeping (docs/ARCHITECTURE.md,
+"Block diffusion decoding"):
 
 1. :meth:`inputs` gives the forward's ``input_ids`` / ``positions`` / per-row start positions.
    A row whose block has no masks left is in its *commit forward*: the same B-token forward on the
@@ -20,6 +21,7 @@ import torch
 from herald.diffusion.sampler import sample_tokens
 from herald.diffusion.unmask import min_accept_count, select_unmask
 from herald.engine.request import Request, RequestStatus
+from herald.kv.manager import compact_moves
 from herald.models.base import BlockDiffusionLM
 
 
@@ -73,19 +75,18 @@ class DecodeBatch:
     def remove(self, rows: list[int]) -> list[tuple[int, int]]:
         """Drop ``rows``; the last rows move into the holes so rows stay ``0..n-1``.
 
-        Returns the (src, dst) row moves the engine must mirror in its KV slots, in order.
+        Returns the (src, dst) row moves (:func:`~herald.kv.manager.compact_moves`, the moves
+        the KV manager makes in the KV slots), in order.
         """
-        moves: list[tuple[int, int]] = []
-        for row in sorted(rows, reverse=True):
-            last = len(self.requests) - 1
-            if row != last:
-                self.tokens[row] = self.tokens[last]
-                self.masked[row] = self.masked[last]
-                self.requests[row] = self.requests[last]
-                moves.append((last, row))
-            self.requests.pop()
-            self.tokens = self.tokens[:last]
-            self.masked = self.masked[:last]
+        moves = compact_moves(len(self.requests), rows)
+        for src, dst in moves:
+            self.tokens[dst] = self.tokens[src]
+            self.masked[dst] = self.masked[src]
+            self.requests[dst] = self.requests[src]
+        n = len(self.requests) - len(set(rows))
+        del self.requests[n:]
+        self.tokens = self.tokens[:n]
+        self.masked = self.masked[:n]
         return moves
 
     # -- one iteration --------------------------------------------------------------------------
@@ -114,7 +115,7 @@ class DecodeBatch:
             advance_clean: rows that had no mask before this forward ran their commit forward:
                 move them to their next block. False for engines that commit a whole batch in
                 lockstep (they call :meth:`advance`).
-            want_draft: also return the draft of every row's block (paper §IV-A1): the argmax
+            want_draft: also return the draft of every row's block (HERALD §IV-A1): the argmax
                 at every still-masked position, the accepted token elsewhere.
 
         Returns:

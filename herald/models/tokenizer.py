@@ -2,8 +2,9 @@
 
 Two sources:
 
-* a checkpoint directory with ``tokenizer.json`` (the real SDAR / LLaDA2 tokenizers, model spec
-  §1.1, §2.1), plus ``tokenizer_config.json`` when present (its ``mask_token`` spelling);
+* a checkpoint directory with ``tokenizer.json`` (the real SDAR / LLaDA2 tokenizers,
+  docs/MODELS.md §3, §5), plus ``tokenizer_config.json`` when present (its ``mask_token``
+  spelling);
 * otherwise a byte-level fallback: ids 0..255 are the bytes, the model's special tokens sit at the
   config's ids (mask, eos, pad, and the preset's ``herald_special_tokens``), and every other id
   below ``vocab_size`` decodes to a visible ``<|id_N|>`` placeholder. This is what the tiny presets
@@ -28,7 +29,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from herald.models.config import LLADA2_ARCH, SDAR_ARCH, ModelConfig
 
-# Special-token spellings of the real vocabularies (model spec §1.1, §2.1), used by the byte-level
+# Special-token spellings of the real vocabularies (docs/MODELS.md §3, §5), used by the byte-level
 # fallback when a preset does not list its own ``herald_special_tokens``.
 DEFAULT_SPECIAL_TOKENS: dict[str, dict[str, int]] = {
     SDAR_ARCH: {

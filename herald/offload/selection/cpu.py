@@ -1,42 +1,35 @@
 """CPU KV selection: fused exact attention + top-k per KV head, and the gather of the selected rows.
 
-The retrieval stream's CPU step (DESIGN §3, paper §IV-B4). For each request of a batch and each KV
-head it scans the request's prefix K (and V in ``full`` mode) in the CPU full KV pool once, keeps
-the scores in a per-thread buffer, ranks positions by the softmax-normalised importance summed over
-the G query heads of the group and the n_q queries, and returns the top-k positions with the
-attention output. An optional per-request tail (the draft block of the lookahead) is attended to
-but excluded from the ranking: the sparse pool holds it anyway. :func:`gather_selected` then
-copies the selected K/V rows of one layer into one contiguous (pinned) staging buffer laid out as
-the GPU sparse pool expects, for one async copy.
+The retrieval stream's CPU step (HERALD §IV-B4). For each request of a batch and each KV head it
+scans the request's prefix K (and V in ``full`` mode) in the CPU full KV pool once, keeps the
+scores in a per-thread buffer, ranks positions by the softmax-normalised importance summed over the
+G query heads of the group and the n_q queries (:mod:`herald.offload.selection.topk`), and returns
+the top-k positions with the attention output. An optional per-request tail (the draft block of
+the lookahead) is attended to but excluded from the ranking: the sparse pool holds it anyway.
+:func:`gather_selected` then copies the selected K/V rows of one layer into one contiguous
+(pinned) staging buffer laid out as the GPU sparse pool expects, for one async copy.
 
-Backends: the native C++ library (herald/csrc via :mod:`herald.kv._kernel`; AVX-512 kernels where
-the CPU has AVX-512 BF16, else a portable path) or, if it cannot be built or loaded, the PyTorch
-implementation in :mod:`herald.kv.selection_ref` (one warning). The native kernel threads over
-(request, KV head) items, or over tiles of S when items are fewer than threads; its threads sleep
-between calls. Environment switches, read at every call:
-
-- ``HERALD_SELECTION_BACKEND`` = ``auto`` (default) | ``native`` (error if unavailable) | ``torch``
-- ``HERALD_SELECTION_ISA`` = ``auto`` | ``avx512`` (fp32 FMA) | ``avx512bf16`` (vdpbf16ps) |
-  ``portable``; the two AVX-512 choices raise ValueError on a CPU without AVX-512 BF16. ``auto``
-  takes ``avx512``: on Sapphire/Emerald Rapids vdpbf16ps zmm has half the multiply-add rate of
-  fp32 FMA (measured), so bf16 is widened to fp32 once per element instead.
-- ``HERALD_SELECTION_THREADS``: default thread count (else the CPUs this process may run on)
-- ``HERALD_SELECTION_SCHEDULE`` = ``auto`` | ``items`` | ``tiles`` (testing/benchmarking)
-- ``HERALD_SELECTION_PREFETCH`` = ``none`` | ``t0:N`` | ``t1:N`` | ``nta:N`` (hint, pages ahead)
+Backends: the native C++ library (herald/csrc via :mod:`herald.offload.selection._kernel`;
+AVX-512 kernels where the CPU has AVX-512 BF16, else a portable path) or, if it cannot be built or
+loaded, the PyTorch implementation in :mod:`herald.offload.selection.ref` (one warning). The
+native kernel threads over (request, KV head) items, or over tiles of S when items are fewer than
+threads; its threads sleep between calls. The ``HERALD_SELECTION_*`` switches (backend, ISA,
+threads, schedule, prefetch) are parsed once by :mod:`herald.env`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 
 import torch
 
-from herald.kv import _kernel
-from herald.kv.selection_ref import (
+from herald.env import selection_threads, settings
+from herald.offload.selection import _kernel
+from herald.offload.selection.ref import (
     NonFiniteScoreError,
     SelectionResult,
+    SelectionShapes,
     check_gather_inputs,
     check_selection_inputs,
     gather_selected_torch,
@@ -46,7 +39,6 @@ from herald.kv.selection_ref import (
 __all__ = [
     "NonFiniteScoreError",
     "SelectionResult",
-    "default_num_threads",
     "gather_selected",
     "kernel_info",
     "select_topk",
@@ -55,46 +47,13 @@ __all__ = [
 _ISA = {"auto": 0, "avx512": 1, "portable": 2, "avx512bf16": 3}
 _SCHEDULE = {"auto": 0, "items": 1, "tiles": 2}
 _PREFETCH_HINT = {"none": 0, "t0": 1, "t1": 2, "nta": 3}
-DEFAULT_PREFETCH = "t0:1"
 _warned = False
 
 
-def _env_choice(name: str, choices: dict[str, int] | tuple[str, ...], default: str) -> str:
-    value = os.environ.get(name, default).strip().lower() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}; expected one of {', '.join(choices)}")
-    return value
-
-
-def _prefetch() -> tuple[int, int]:
-    spec = os.environ.get("HERALD_SELECTION_PREFETCH", DEFAULT_PREFETCH).strip().lower()
-    hint, _, dist = spec.partition(":")
-    if hint not in _PREFETCH_HINT or (dist and not dist.isdigit()):
-        raise ValueError(f"HERALD_SELECTION_PREFETCH={spec!r}; expected none or t0|t1|nta:PAGES")
-    return _PREFETCH_HINT[hint], max(1, int(dist or 1))
-
-
-def default_num_threads() -> int:
-    """``HERALD_SELECTION_THREADS`` if set, else the number of CPUs this process may use."""
-    if env := os.environ.get("HERALD_SELECTION_THREADS"):
-        return max(1, int(env))
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _threads(num_threads: int | None) -> int:
-    n = default_num_threads() if num_threads is None else num_threads
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    return n
-
-
 def _native() -> _kernel.NativeLibrary | None:
-    """The native library per HERALD_SELECTION_BACKEND, or None to use PyTorch."""
+    """The native library per ``HERALD_SELECTION_BACKEND``, or None to use PyTorch."""
     global _warned
-    backend = _env_choice("HERALD_SELECTION_BACKEND", ("auto", "native", "torch"), "auto")
+    backend = settings().selection_backend
     if backend == "torch":
         return None
     lib = _kernel.load_native()
@@ -130,7 +89,7 @@ def select_topk(
 ) -> SelectionResult:
     """Exact attention over each request's prefix and the top-k positions per KV head.
 
-    Args (all CPU tensors; DESIGN §3, paper §IV-B4):
+    Args (all CPU tensors; HERALD §IV-B4):
         q: [n_req, n_q, num_heads, head_dim] bf16, any strides. n_q = 1 (representative query)
             up to the block size. Query head ``h * G + g`` belongs to KV head ``h``
             (G = num_heads // num_kv_heads).
@@ -151,7 +110,7 @@ def select_topk(
             ``"selected"``: softmax attention restricted to the selected rows plus the tail
             rows, i.e. what the sparse attention computes (reads K, and V only at those rows).
         return_importance: also return the importance vectors.
-        num_threads: worker threads (default :func:`default_num_threads`).
+        num_threads: worker threads (default :func:`herald.env.selection_threads`).
 
     Importance of position s for KV head h: ``sum_{q,g} exp(score[q,g,s] - m[q,g]) / l[q,g]`` over
     the n_q queries and the G query heads of the group, score = q.k * head_dim**-0.5, m and l the
@@ -179,7 +138,7 @@ def select_topk(
         q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode, lib is None,
         tail_lens=tail_lens,
     )  # fmt: skip
-    n = _threads(num_threads)
+    n = selection_threads(num_threads)
     if lib is None:
         with _torch_threads(n):
             return select_topk_torch(
@@ -187,36 +146,60 @@ def select_topk(
                 output_mode=output_mode, return_importance=return_importance,
                 compute_dtype=torch.float32,
             )  # fmt: skip
-    isa = _env_choice("HERALD_SELECTION_ISA", _ISA, "auto")
-    hint, dist = _prefetch()
-    schedule = _env_choice("HERALD_SELECTION_SCHEDULE", _SCHEDULE, "auto")
-    q = q.contiguous()
-    page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
-    budget_tokens = budget_tokens.contiguous()
-    if tail_lens is not None:
-        tail_lens = tail_lens.contiguous()
+    tensors = dict(
+        q=q.contiguous(), k_pages=k_pages, v_pages=v_pages, page_table=page_table.contiguous(),
+        seq_lens=seq_lens.contiguous(), budget=budget_tokens.contiguous(),
+    )  # fmt: skip
+    tail = tail_lens.contiguous() if tail_lens is not None else None
+    return _select_native(lib, sh, output_mode, n, tensors, return_importance, tail)
+
+
+def _select_native(
+    lib: _kernel.NativeLibrary,
+    sh: SelectionShapes,
+    output_mode: str,
+    n: int,
+    tensors: dict[str, torch.Tensor],
+    return_importance: bool,
+    tail_lens: torch.Tensor | None,
+) -> SelectionResult:
+    """The native call on validated, contiguous inputs (``tensors``: q, pages, table, lengths,
+    budgets by the argument struct's names)."""
     indices = torch.empty(sh.n_req, sh.num_kv_heads, sh.k_max, dtype=torch.int32)
     num_selected = torch.empty(sh.n_req, dtype=torch.int32)
     out = torch.empty(sh.n_req, sh.n_q, sh.num_heads, sh.head_dim, dtype=torch.float32)
     imp = None
     if return_importance:
         imp = torch.empty(sh.n_req, sh.num_kv_heads, sh.s_max, dtype=torch.float32)
-    args = _kernel.SelectArgs(
+    tensors = {**tensors, "indices": indices, "num_selected": num_selected, "attn_output": out}
+    args = _select_args(sh, output_mode, n, tensors["k_pages"], tensors, imp, tail_lens)
+    _kernel.check(lib, lib.lib.herald_select_topk(ctypes.byref(args)), "select_topk")
+    return SelectionResult(indices, num_selected, out, imp)
+
+
+def _select_args(
+    sh: SelectionShapes,
+    output_mode: str,
+    num_threads: int,
+    k_pages: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    importance: torch.Tensor | None,
+    tail_lens: torch.Tensor | None,
+) -> _kernel.SelectArgs:
+    """The native call's argument struct (sizes, switches from :mod:`herald.env`, pointers)."""
+    env = settings()
+    isa = env.selection_isa
+    return _kernel.SelectArgs(
         n_req=sh.n_req, n_q=sh.n_q, num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads,
         head_dim=sh.head_dim, page_size=sh.page_size, max_pages=sh.max_pages, k_max=sh.k_max,
         s_max=sh.s_max, output_mode=0 if output_mode == "full" else 1, isa=_ISA[isa],
-        num_threads=n, schedule=_SCHEDULE[schedule],
-        prefetch_hint=hint, prefetch_distance=dist, num_pages=sh.num_pages,
-        page_stride=k_pages.stride(0), head_stride=k_pages.stride(1), scale=sh.head_dim**-0.5,
-        q=q.data_ptr(), k_pages=k_pages.data_ptr(), v_pages=v_pages.data_ptr(),
-        page_table=page_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
-        budget=budget_tokens.data_ptr(), indices=indices.data_ptr(),
-        num_selected=num_selected.data_ptr(), attn_output=out.data_ptr(),
-        importance=imp.data_ptr() if imp is not None else None,
+        num_threads=num_threads, schedule=_SCHEDULE[env.selection_schedule],
+        prefetch_hint=_PREFETCH_HINT[env.prefetch_hint], prefetch_distance=env.prefetch_distance,
+        num_pages=sh.num_pages, page_stride=k_pages.stride(0), head_stride=k_pages.stride(1),
+        scale=sh.head_dim**-0.5, **{name: t.data_ptr() for name, t in tensors.items()},
+        importance=importance.data_ptr() if importance is not None else None,
         tail_lens=tail_lens.data_ptr() if tail_lens is not None else None,
     )  # fmt: skip
-    _kernel.check(lib, lib.lib.herald_select_topk(ctypes.byref(args)), "select_topk")
-    return SelectionResult(indices, num_selected, out, imp)
 
 
 def gather_selected(
@@ -231,7 +214,7 @@ def gather_selected(
 ) -> torch.Tensor:
     """Copy the selected K and V rows of one layer into the staging layout of the GPU sparse pool.
 
-    Args (CPU tensors; DESIGN §3):
+    Args (CPU tensors; HERALD §IV-B4):
         k_pages, v_pages: [num_pages, num_kv_heads, page_size, head_dim] bf16 (as select_topk).
         page_table: [n_req, max_pages] int32.
         indices: [n_req, num_kv_heads, k_max] int32 logical positions (SelectionResult.indices).
@@ -250,7 +233,7 @@ def gather_selected(
     n_req, hkv, k_max, d = check_gather_inputs(
         k_pages, v_pages, page_table, indices, num_selected, out
     )
-    n = _threads(num_threads)
+    n = selection_threads(num_threads)
     lib = _native()
     if lib is None:
         return gather_selected_torch(k_pages, v_pages, page_table, indices, num_selected, out)
@@ -284,10 +267,9 @@ class _torch_threads:
 
 def kernel_info() -> dict[str, object]:
     """Which backend and ISA a call would use now, and where the library came from."""
-    lib = None
-    if os.environ.get("HERALD_SELECTION_BACKEND", "auto") != "torch":
-        lib = _kernel.load_native()
-    isa = os.environ.get("HERALD_SELECTION_ISA", "auto")
+    env = settings()
+    lib = None if env.selection_backend == "torch" else _kernel.load_native()
+    isa = env.selection_isa
     return {
         "backend": "native" if lib is not None else "torch",
         "library": lib.path if lib else None,
@@ -295,6 +277,6 @@ def kernel_info() -> dict[str, object]:
         "cpu_avx512bf16": lib.has_avx512bf16 if lib else None,
         "isa": (isa if isa != "auto" else "avx512") if lib and lib.has_avx512bf16 else "portable",
         "unavailable_reason": _kernel.unavailable_reason() or None,
-        "num_threads": default_num_threads(),
-        "prefetch": os.environ.get("HERALD_SELECTION_PREFETCH", DEFAULT_PREFETCH),
+        "num_threads": selection_threads(),
+        "prefetch": env.prefetch,
     }

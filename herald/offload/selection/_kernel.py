@@ -24,7 +24,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from herald.kv import _kernel_build
+from herald.env import settings
+from herald.offload.selection import _kernel_build
 
 ABI_VERSION = 4  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
 
@@ -149,7 +150,7 @@ def _open(path: Path, origin: str, want_hash: str | None) -> NativeLibrary:
 
 
 def _cache_dir() -> Path:
-    if d := os.environ.get("HERALD_CACHE_DIR"):
+    if d := settings().cache_dir:
         return Path(d)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "herald"
@@ -172,13 +173,13 @@ def _build(target: Path) -> None:
 
 
 def _installed_candidates() -> list[Path]:
-    pkg = Path(__file__).resolve().parent.parent
+    pkg = Path(__file__).resolve().parents[2]
     return [pkg / f"_selection{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
 
 
 def _load() -> NativeLibrary:
     errors: list[str] = []
-    if env := os.environ.get("HERALD_SELECTION_LIB"):
+    if env := settings().selection_lib:
         return _open(Path(env), "env", None)
     have_sources = bool(_kernel_build.source_files())
     want = _kernel_build.source_hash() if have_sources else None
@@ -224,7 +225,7 @@ def check(lib: NativeLibrary, rc: int, what: str) -> None:
         return
     msg = lib.lib.herald_last_error().decode() or f"{what} failed with code {rc}"
     if rc == ENONFINITE:
-        from herald.kv.selection_ref import NonFiniteScoreError
+        from herald.offload.selection.ref import NonFiniteScoreError
 
         raise NonFiniteScoreError(msg)
     if rc == EINVAL:

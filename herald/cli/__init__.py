@@ -1,0 +1,89 @@
+"""Command line: ``herald generate | serve | eval | train | bench throughput | init-random``.
+
+``herald generate`` decodes prompts (dense, or an offloading mode: herald, mage, infinigen) and
+prints the completion and stats. Without ``--model`` it runs the embedded default model on the
+CPU. ``herald serve`` runs the OpenAI-compatible HTTP server (:mod:`herald.server`).
+``herald eval`` measures long-context accuracy (:mod:`herald.eval`), ``herald train`` trains the
+small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decode throughput
+(:mod:`herald.bench.throughput`), ``herald init-random`` writes a random-weight checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from herald.cli import generate, serve
+from herald.cli.common import DEFAULT_MODEL, parse_dtype
+
+__all__ = ["DEFAULT_MODEL", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="herald", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = generate.register(sub)
+    s = serve.register(sub)
+    r = sub.add_parser(
+        "init-random", help="write a random-weight checkpoint (HF format) for a preset"
+    )
+    r.add_argument("--preset", required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16)
+    r.set_defaults(handler=cmd_init_random)
+    for p in (g, s, r):
+        p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # Research subcommands (each sets args.handler); the serving core never imports them.
+    from herald.bench import throughput
+    from herald.eval.cli import register as register_eval
+    from herald.train.cli import register as register_train
+
+    register_eval(sub)
+    throughput.register(sub)
+    register_train(sub)
+    return parser
+
+
+def cmd_init_random(args: argparse.Namespace) -> int:
+    from herald.models.loader import write_random_checkpoint
+
+    t0 = time.perf_counter()
+    write_random_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(
+        f"wrote random '{args.preset}' checkpoint to {args.out} in {time.perf_counter() - t0:.1f} s"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
+        if getattr(args, "debug", False):
+            raise
+        msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+        # torch's C++ errors append their native stack ("Exception raised from ..."): one line
+        msg = msg.split("\nException raised from ", 1)[0]
+        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint
+        if getattr(args, "debug", False):
+            raise
+        print(
+            f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""``herald serve``: the OpenAI-compatible HTTP server over one engine (:mod:`herald.server`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from herald.cli.common import (
+    add_kv_pad,
+    add_model_source_args,
+    engine_help,
+    kv_budget_defaults,
+    model_dtype,
+    offload_config,
+    pool_error,
+    refuse_offload_flags,
+)
+from herald.config import check_kv_pad, resolve_device
+from herald.engines import MODES
+
+_POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
+
+
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Add the ``serve`` subcommand to ``sub``; engine flags default to ``SERVE_DEFAULTS``."""
+    from herald.server.defaults import SERVE_DEFAULTS as D
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (dense or an offloading mode)")
+    add_model_source_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000)
+    for flag, name in (("--max-batch-size", "max_batch_size"), ("--max-seq-len", "max_seq_len")):
+        s.add_argument(
+            flag,
+            type=int,
+            default=getattr(D, name),
+            help=engine_help(name) + " (default: %(default)s)",
+        )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=D.max_waiting,
+        help=engine_help("max_waiting").replace("None: unbounded.", "") + " (default: %(default)s)",
+    )
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
+    s.add_argument(
+        "--mode",
+        default="dense",
+        choices=list(MODES),
+        help="the one engine this server runs (requests asking for another mode get a 400)",
+    )
+    s.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="offloading modes: fraction of the prefix kept per KV head, in (0, 1] (default: "
+        f"{kv_budget_defaults()})",
+    )
+    s.add_argument(
+        "--cpu-kv-gb", type=float, default=None, help="offloading modes: CPU KV pool size in GiB"
+    )
+    s.add_argument(
+        "--cpu-kv-tokens",
+        type=int,
+        default=None,
+        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+    )
+    s.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=D.max_prefill_tokens,
+        help=engine_help("max_prefill_tokens").split(" None:")[0] + " (default: %(default)s)",
+    )
+    add_kv_pad(s)
+    s.set_defaults(handler=cmd_serve)
+    return s
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from herald.models.loader import is_preset
+    from herald.server.defaults import SERVE_DEFAULTS
+    from herald.server.launch import build_app, serve
+
+    device = resolve_device(args.device)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    check_kv_pad(args.kv_pad, "--kv-pad")
+    offload = None
+    if args.mode == "dense":
+        refuse_offload_flags(args, _POOL_FLAGS)
+    else:
+        offload = offload_config(args, _POOL_FLAGS)
+    dtype = model_dtype(args, device)
+    flags = {"--max-batch-size": args.max_batch_size, "--max-seq-len": args.max_seq_len}
+    flags |= {"--max-waiting": args.max_waiting, "--max-prefill-tokens": args.max_prefill_tokens}
+    for flag, value in flags.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    engine = SERVE_DEFAULTS.replace(
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_waiting=args.max_waiting,
+        max_prefill_tokens=args.max_prefill_tokens,
+        kv_pad=args.kv_pad,
+        offload=offload,
+    )
+    try:
+        app = build_app(
+            args.model, engine, device=device, dtype=dtype, api_key=args.api_key, seed=args.seed
+        )
+    except ValueError as e:
+        raise pool_error(args, e) from None
+    if is_preset(args.model):
+        print(f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr)
+    serve(app, host=args.host, port=args.port)
+    return 0

@@ -1,0 +1,170 @@
+"""Every ``HERALD_*`` environment switch, parsed once, in one place.
+
+The switches are for measuring and debugging; a serving process reads them once at start-up.
+:func:`settings` parses the environment on first use and caches the result; code that changes a
+variable at run time (tests, the kernel benchmark's sweeps) calls :func:`reload_settings`.
+A bad value raises ``ValueError`` naming the variable, at the first :func:`settings` call.
+
+=============================  ==================================================================
+variable                       meaning
+=============================  ==================================================================
+``HERALD_SELECTION_BACKEND``   ``auto`` (native kernel, else PyTorch with a warning), ``native``
+                               (error if the library is unavailable) or ``torch``
+``HERALD_SELECTION_ISA``       ``auto`` | ``avx512`` (bf16 widened to fp32 FMA) | ``avx512bf16``
+                               (``vdpbf16ps``) | ``portable``; ``auto`` is ``avx512``: on Sapphire
+                               and Emerald Rapids ``vdpbf16ps`` has half the multiply-add rate
+``HERALD_SELECTION_THREADS``   CPU selection kernel threads (default: :func:`selection_threads`)
+``HERALD_SELECTION_SCHEDULE``  ``auto`` | ``items`` | ``tiles``: how the kernel splits its work
+``HERALD_SELECTION_PREFETCH``  ``none`` | ``t0:N`` | ``t1:N`` | ``nta:N``: software prefetch hint
+                               and distance in pages (default ``t0:1``)
+``HERALD_SELECTION_LIB``       path of a prebuilt selection library (debugging)
+``HERALD_CACHE_DIR``           where the selection library is built on first use
+                               (default ``$XDG_CACHE_HOME/herald``, else ``~/.cache/herald``)
+``HERALD_SDPA_BACKENDS``       comma-separated SDPA kernels allowed on CUDA (``cudnn``, ``flash``,
+                               ``efficient``, ``math``); unset: PyTorch's own pick
+``HERALD_COMPILE``             ``0`` turns off ``torch.compile`` of the fused elementwise kernels
+=============================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+SELECTION_BACKENDS = ("auto", "native", "torch")
+SELECTION_ISAS = ("auto", "avx512", "portable", "avx512bf16")
+SELECTION_SCHEDULES = ("auto", "items", "tiles")
+PREFETCH_HINTS = ("none", "t0", "t1", "nta")
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+DEFAULT_PREFETCH = "t0:1"
+RESERVED_CORES = 2
+"""Cores the default selection thread count leaves free: one for the main stream's host work
+(kernel launches, sampling), one for the retrieval thread's own Python. With every core busy in
+the kernel, the main stream's host side slows down several times."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed switches (see the module docstring for each)."""
+
+    selection_backend: str = "auto"
+    selection_isa: str = "auto"
+    selection_threads: int | None = None
+    selection_schedule: str = "auto"
+    prefetch: str = DEFAULT_PREFETCH
+    prefetch_hint: str = "t0"
+    prefetch_distance: int = 1
+    selection_lib: str | None = None
+    cache_dir: str | None = None
+    sdpa_backends: tuple[str, ...] | None = None
+    compile: bool = True
+
+
+def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = env.get(name, "").strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}; expected one of {', '.join(allowed)}")
+    return value
+
+
+def _threads(env: dict[str, str]) -> int | None:
+    raw = env.get("HERALD_SELECTION_THREADS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"HERALD_SELECTION_THREADS={raw!r}; expected a positive integer")
+    return int(raw)
+
+
+def _prefetch(env: dict[str, str]) -> tuple[str, str, int]:
+    spec = env.get("HERALD_SELECTION_PREFETCH", "").strip().lower() or DEFAULT_PREFETCH
+    hint, _, dist = spec.partition(":")
+    if hint not in PREFETCH_HINTS or (dist and not dist.isdigit()):
+        raise ValueError(f"HERALD_SELECTION_PREFETCH={spec!r}; expected none or t0|t1|nta:PAGES")
+    return spec, hint, max(1, int(dist or 1))
+
+
+def _sdpa(env: dict[str, str]) -> tuple[str, ...] | None:
+    spec = env.get("HERALD_SDPA_BACKENDS", "")
+    if not spec.strip():
+        return None
+    names = tuple(x.strip() for x in spec.split(",") if x.strip())
+    if not names or any(x not in SDPA_BACKENDS for x in names):
+        raise ValueError(
+            f"HERALD_SDPA_BACKENDS={spec!r}: a comma-separated list of {', '.join(SDPA_BACKENDS)}"
+        )
+    return names
+
+
+def parse(env: dict[str, str]) -> Settings:
+    """:class:`Settings` from a mapping like ``os.environ``. Raises ValueError on a bad value."""
+    spec, hint, dist = _prefetch(env)
+    return Settings(
+        selection_backend=_choice(env, "HERALD_SELECTION_BACKEND", SELECTION_BACKENDS, "auto"),
+        selection_isa=_choice(env, "HERALD_SELECTION_ISA", SELECTION_ISAS, "auto"),
+        selection_threads=_threads(env),
+        selection_schedule=_choice(env, "HERALD_SELECTION_SCHEDULE", SELECTION_SCHEDULES, "auto"),
+        prefetch=spec,
+        prefetch_hint=hint,
+        prefetch_distance=dist,
+        selection_lib=env.get("HERALD_SELECTION_LIB") or None,
+        cache_dir=env.get("HERALD_CACHE_DIR") or None,
+        sdpa_backends=_sdpa(env),
+        compile=env.get("HERALD_COMPILE", "1").strip() != "0",
+    )
+
+
+@functools.cache
+def settings() -> Settings:
+    """The switches of this process, parsed from ``os.environ`` on the first call."""
+    return parse(dict(os.environ))
+
+
+def reload_settings() -> Settings:
+    """Parse the environment again (after a variable was changed at run time)."""
+    settings.cache_clear()
+    return settings()
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def selection_threads(requested: int | None = None) -> int:
+    """The one rule for the CPU selection kernel's thread count: ``requested``; else
+    ``HERALD_SELECTION_THREADS``; else every usable core but :data:`RESERVED_CORES` (at least 1).
+
+    Raises ValueError when ``requested`` is not a positive int.
+    """
+    if requested is not None:
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+            raise ValueError(f"num_threads must be a positive int, got {requested!r}")
+        return requested
+    env = settings().selection_threads
+    if env is not None:
+        return env
+    return max(1, usable_cpus() - RESERVED_CORES)
+
+
+@contextlib.contextmanager
+def overridden(values: dict[str, str]) -> Iterator[Settings]:
+    """Set environment variables for the duration of a ``with`` block and parse them (tests,
+    benchmark sweeps over the switches); the old values and settings come back after it."""
+    old = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield reload_settings()
+    finally:
+        for key, val in old.items():
+            if val is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = val
+        reload_settings()

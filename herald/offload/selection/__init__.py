@@ -1,0 +1,1 @@
+"""KV selection: the CPU kernel and its reference, GPU top-k, InfiniGen's proxy."""
