@@ -81,7 +81,44 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-MODE_OF_QUERIES = {"representative": "herald", "block": "mage", "proxy": "infinigen"}
+@dataclass(frozen=True)
+class OffloadMode:
+    """One offloading mode: the ``selection_queries`` value its policy runs on, whether it may
+    select ahead on a draft (``lookahead="draft"``), and its preset switches."""
+
+    queries: str
+    drafts: bool
+    preset: dict[str, object]
+
+
+OFFLOAD_MODES: dict[str, OffloadMode] = {
+    "herald": OffloadMode(
+        "representative",
+        True,
+        dict(
+            selection_device="cpu",
+            selection_queries="representative",
+            lookahead="draft",
+            kv_budget=0.05,
+        ),
+    ),
+    "mage": OffloadMode(
+        "block",
+        False,
+        dict(selection_device="gpu", selection_queries="block", lookahead="off", kv_budget=0.025),
+    ),
+    "infinigen": OffloadMode(
+        "proxy",
+        False,
+        dict(selection_device="gpu", selection_queries="proxy", lookahead="off", kv_budget=0.2),
+    ),
+}
+"""The offloading modes by name (each has a policy of that name in
+:data:`herald.offload.policies.POLICIES`): ``herald`` (CPU, representative query, draft
+lookahead, 5%), ``mage`` (block queries at step 0, no lookahead, 2.5%, GPU selection),
+``infinigen`` (proxy channels at step 0, 20%). A new mode is one entry here and one policy."""
+
+MODE_OF_QUERIES = {spec.queries: name for name, spec in OFFLOAD_MODES.items()}
 """Offloading mode of each ``OffloadConfig.selection_queries`` value."""
 
 
@@ -105,8 +142,8 @@ class OffloadConfig:
     """"draft": select block n+1 from block n's step-0 draft while block n denoises (HERALD
     §IV-A1); "off": select after block n commits (the main stream waits)."""
     kv_budget: float = 0.05
-    """k = ceil(kv_budget x prefix) selected entries per KV head per layer, plus the last
-    completed block (always kept). 1.0 keeps everything."""
+    """k = min(ceil(kv_budget x prefix), prefix - last block) selected entries per KV head per
+    layer, plus the last completed block (always kept). 1.0 keeps everything."""
     output_mode: str = "full"
     """CPU kernel output: "full" (exact attention over the prefix) or "selected"."""
     num_dense_layers: int = 2
@@ -125,7 +162,7 @@ class OffloadConfig:
     def validate(self) -> None:
         checks = {
             "selection_device": (self.selection_device, ("cpu", "gpu")),
-            "selection_queries": (self.selection_queries, ("representative", "block", "proxy")),
+            "selection_queries": (self.selection_queries, tuple(MODE_OF_QUERIES)),
             "lookahead": (self.lookahead, ("draft", "off")),
             "output_mode": (self.output_mode, ("full", "selected")),
         }
@@ -134,7 +171,7 @@ class OffloadConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if not 0.0 < self.kv_budget <= 1.0:
             raise ValueError(f"kv_budget must be in (0, 1], got {self.kv_budget}")
-        if self.selection_queries != "representative" and self.lookahead != "off":
+        if not OFFLOAD_MODES[self.mode].drafts and self.lookahead != "off":
             raise ValueError(
                 f"{self.selection_queries!r} selection needs the block's own queries: it cannot "
                 "run ahead on a draft (use lookahead='off')"
@@ -154,26 +191,10 @@ class OffloadConfig:
 
     @staticmethod
     def for_mode(mode: str, **overrides: object) -> OffloadConfig:
-        """``herald`` (CPU, representative query, draft lookahead, 5%), ``mage`` (block
-        queries at step 0, no lookahead, 2.5%, GPU selection) or ``infinigen`` (proxy channels at
-        step 0, 20%); overrides win."""
-        presets: dict[str, dict[str, object]] = {
-            "herald": dict(
-                selection_device="cpu",
-                selection_queries="representative",
-                lookahead="draft",
-                kv_budget=0.05,
-            ),
-            "mage": dict(
-                selection_device="gpu", selection_queries="block", lookahead="off", kv_budget=0.025
-            ),
-            "infinigen": dict(
-                selection_device="gpu", selection_queries="proxy", lookahead="off", kv_budget=0.2
-            ),
-        }
-        if mode not in presets:
-            raise ValueError(f"unknown offload mode {mode!r}; one of {sorted(presets)}")
-        cfg = OffloadConfig(**{**presets[mode], **overrides})  # type: ignore[arg-type]
+        """The preset switches of ``mode`` (:data:`OFFLOAD_MODES`); overrides win."""
+        if mode not in OFFLOAD_MODES:
+            raise ValueError(f"unknown offload mode {mode!r}; one of {sorted(OFFLOAD_MODES)}")
+        cfg = OffloadConfig(**{**OFFLOAD_MODES[mode].preset, **overrides})  # type: ignore[arg-type]
         cfg.validate()
         return cfg
 

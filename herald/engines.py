@@ -8,7 +8,7 @@ only the :class:`~herald.engine.base.Engine` interface.
 
 from __future__ import annotations
 
-from herald.config import EngineConfig, OffloadConfig
+from herald.config import OFFLOAD_MODES, EngineConfig, OffloadConfig
 from herald.engine.base import Engine
 from herald.engine.dense import DenseEngine
 from herald.engine.hooks import EngineHooks
@@ -17,8 +17,8 @@ from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 from herald.offload.engine import OffloadEngine
 
-MODES = ("dense", "herald", "mage", "infinigen")
-"""Engine modes: ``dense``, or an offloading mode (:meth:`OffloadConfig.for_mode`)."""
+MODES = ("dense", *OFFLOAD_MODES)
+"""Engine modes: ``dense``, or an offloading mode (:data:`herald.config.OFFLOAD_MODES`)."""
 
 
 def offload_for_mode(mode: str, **overrides: object) -> OffloadConfig | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from herald.config import DEFAULT_KV_PAD, EngineConfig, OffloadConfig, SamplingParams
+from herald.config import DEFAULT_KV_PAD, OFFLOAD_MODES, EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.hooks import EngineHooks, SyntheticPrefill
 from herald.offload.engine import OffloadEngine
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("/tmp/profile_offload"))
     ap.add_argument("--preset", default="llada2-mini")
-    ap.add_argument("--mode", default="herald", choices=["herald", "mage", "infinigen"])
+    ap.add_argument("--mode", default="herald", choices=list(OFFLOAD_MODES))
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--budget", type=float, default=0.05)

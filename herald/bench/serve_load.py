@@ -28,6 +28,7 @@ import torch
 import uvicorn
 
 from herald.config import OffloadConfig
+from herald.engines import MODES
 from herald.server.defaults import SERVE_DEFAULTS
 from herald.server.launch import build_app
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="fixed-steps mode, steps per block")
     p.add_argument("--prompt-chars", type=int, default=64)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
-    p.add_argument("--mode", default="dense", choices=["dense", "herald", "mage", "infinigen"])
+    p.add_argument("--mode", default="dense", choices=list(MODES))
     p.add_argument("--kv-budget", type=float, default=None, help="offloading modes (preset's)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)

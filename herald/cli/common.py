@@ -16,13 +16,14 @@ from herald.config import (
     SamplingParams,
     field_help,
 )
+from herald.config import OFFLOAD_MODES as OFFLOAD_MODE_SPECS
 
 DEFAULT_MODEL = "code-sdar"
 """The embedded default: the small SDAR code model trained with ``herald train`` that ships in
 ``checkpoints/code-sdar/`` (:data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""
 
 
-OFFLOAD_MODES = ("herald", "mage", "infinigen")
+OFFLOAD_MODES = tuple(OFFLOAD_MODE_SPECS)
 
 DTYPE_HELP = (
     "bf16 | fp16 | fp32 (default: bf16 with an offloading --mode, which runs bf16 only, or on a "

@@ -22,6 +22,7 @@ from herald.cli.common import (
     validate_sampling,
 )
 from herald.config import EngineConfig, OffloadConfig, SamplingParams, check_kv_pad, resolve_device
+from herald.engines import MODES
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -59,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     g.add_argument(
         "--mode",
         default="dense",
-        choices=["dense", "herald", "mage", "infinigen"],
+        choices=list(MODES),
         help="dense (full KV on the device) or an offloading mode (full KV in CPU "
         "memory): herald = CPU selection + representative query + draft lookahead; "
         "mage = block queries at each block's first step; infinigen = proxy channels of the "

@@ -11,11 +11,12 @@ request (absolute positions ``[i*B, (i+1)*B)``) lives in the request's i-th page
 pool's own indices ``0..num_layers-1``; the engine maps model layers onto them (the first two model
 layers stay dense on the GPU, so model layer l >= 2 is pool layer l - 2).
 
-Data in: prompt KV copied layer by layer at prefill, each block's clean KV from the commit forward
-(and the draft KV) via :meth:`CpuKVPool.write_block`. Data out: :meth:`k_pages` / :meth:`v_pages`
-plus :meth:`page_table` feed the CPU selection kernel
-(:func:`herald.offload.selection.cpu.select_topk`) and the gather of the selected rows, run on the
-retrieval worker thread; the allocator is guarded by a lock for that reason.
+Data in: the prompt's KV at prefill, and each block's draft KV and committed KV, written into
+:attr:`storage` by the offloading engine's block hand-off (MAGE with CPU selection also writes the
+current block into a scratch page with :meth:`CpuKVPool.write_block`). Data out: :meth:`k_pages` /
+:meth:`v_pages` feed the CPU selection kernel (:func:`herald.offload.selection.cpu.select_topk`)
+and the gather of the selected rows, on the retrieval thread or the engine thread, through page
+tables the engine thread builds; the allocator is guarded by a lock all the same.
 """
 
 from __future__ import annotations
@@ -90,7 +91,14 @@ class CpuKVPool:
         # (one DMA across two is rejected by the driver; see herald.kv.pinned).
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = math.prod(shape)
-        raw = torch.empty(numel + 4096 // itemsize, dtype=dtype)
+        try:
+            raw = torch.empty(numel + 4096 // itemsize, dtype=dtype)
+        except RuntimeError as e:  # the allocator's message names no flag; ours does
+            gib = numel * itemsize / _GIB
+            raise RuntimeError(
+                f"cannot allocate a {gib:.1f} GiB CPU KV pool ({num_pages} pages): not enough "
+                "memory; give a smaller pool (--cpu-kv-gb or --cpu-kv-tokens)"
+            ) from e
         off = (-raw.data_ptr() % 4096) // itemsize
         self._storage: torch.Tensor | None = raw[off : off + numel].view(shape).zero_()
         self.alloc_seconds = time.perf_counter() - t0

@@ -14,8 +14,8 @@ Every engine holds one. It is the only code that allocates and frees the two uni
 
 Threads: :meth:`check_fits` and the sizes are read-only and safe from any thread (the server's
 HTTP handlers call them through ``Engine.add_request``); everything else runs on the thread that
-steps the engine. The CPU pool's own allocator is locked, so the retrieval thread may read a
-request's page ids while the engine thread allocates.
+steps the engine (the retrieval thread reads no page list: it gets page tables the engine thread
+built).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Per offloaded layer, per request slot, per KV head, a pool of ``capacity`` rows 
 
     [ selected rows (k_r) | last completed block (B or 0) | current block (B) | draft (B) ]
 
-The denoising steps of block n read the *active* buffer; the retrieval stream writes block n+1's
-selected rows into the *idle* one, and the commit forward of block n writes its true KV into the
-idle buffer's last-block rows. :meth:`swap` exchanges them at the block boundary, after the engine
-has waited for the retrieval stream's completion event.
+The denoising steps of block n read and write the *active* buffer (the commit forward writes the
+clean block's KV into its current-block rows); the retrieval stream writes block n+1's selected
+rows into the *idle* one. At the block boundary, after waiting for the retrieval stream's
+completion event, the engine copies the completed block into the idle buffer's last-block rows
+and :meth:`swap` exchanges the two.
 """
 
 from __future__ import annotations

@@ -43,6 +43,14 @@ def build_app(
     engine = engine.replace(max_seq_len=min(engine.max_seq_len, config.max_position_embeddings))
     eng = build_engine(net, config, engine)
     log.info("%s", eng.describe())
+    usage = eng.usage()
+    longest = eng.kv.pages_needed(1, eng.max_seq_len - 1)
+    if usage.cpu_pages_total and longest > usage.cpu_pages_total:
+        log.warning(
+            "the CPU KV pool holds %d pages, a request of --max-seq-len %d tokens needs %d: "
+            "such requests will be refused (enlarge --cpu-kv-gb / --cpu-kv-tokens)",
+            usage.cpu_pages_total, eng.max_seq_len, longest,
+        )  # fmt: skip
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
