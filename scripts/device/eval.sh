@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# herald eval on the GPU machine (issue 6): one part per call, each under ~9 minutes wall.
+# herald eval on the GPU machine: one part per call, each under ~9 minutes wall.
 #
 #   CKPT=checkpoints/code-sdar/ckpt bash scripts/device/eval.sh smoke       # ~1-2 min check
 #   CKPT=checkpoints/code-sdar/ckpt bash scripts/device/eval.sh 4k          # 4096-token contexts

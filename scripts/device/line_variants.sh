@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6, line task: how much the long context helps (dense vs the 512-token control) under
+# Line task: how much the long context helps (dense vs the 512-token control) under
 # each target setting and in-file cap, measured with many examples on the GPU machine (dense
 # and the control only: ~1 s per 10 examples at 8K on the H200). One call, ~6 minutes.
 #

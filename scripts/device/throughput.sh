@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 on the device machine: decode throughput vs batch with measured ceilings
+# On the device machine: decode throughput vs batch with measured ceilings
 # (python -m herald.bench.throughput). Every point is appended to $OUT/throughput/throughput.jsonl
 # as soon as it is measured; points already in results/throughput/*.jsonl are skipped (resume).
 #

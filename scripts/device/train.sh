@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the small SDAR code model on the GPU machine (issue 6): one call, at most ~9 minutes wall
+# Train the small SDAR code model on the GPU machine: one call, at most ~9 minutes wall
 # (corpus scan, BPE training, tokenization, compile and training all inside MAX_MINUTES, then a
 # short sample decode on the CPU).
 #

@@ -1,4 +1,4 @@
-"""How well a training data order puts a file's imports before it (issue 6 diagnostic).
+"""How well a training data order puts a file's imports before it.
 
 For every import edge inside a package of the training corpus (file A imports file B of its own
 package, found by :mod:`herald.pyimports`; an ancestor package's ``__init__`` not counted), the

@@ -1,4 +1,4 @@
-"""Dense minus control on the targets no earlier example set holds (issue 6, run 4's check).
+"""Dense minus control on the targets no earlier example set holds.
 
 Run 4's pre-registered check excluded only the earlier ``cross_file_random`` sets of the same
 context; some of its targets were asked before in other settings or contexts. This secondary

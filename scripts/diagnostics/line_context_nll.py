@@ -1,4 +1,4 @@
-"""Does the long context lower the line target's loss? (issue 6 diagnostic, not an eval metric)
+"""Does the long context lower the line target's loss? (a diagnostic, not an eval metric)
 
 For each line-task example of ``herald eval`` (same builder, seed and example set), the target
 line (``"\n" + line``, at most 48 tokens) is appended to the prompt and every one of its tokens is

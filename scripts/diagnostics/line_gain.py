@@ -1,5 +1,5 @@
 """The line task's context gain (dense minus control, ES) pooled over disjoint example sets, and
-two checkpoints compared on one set (issue 6; results/eval/README.md, section "Run 5").
+two checkpoints compared on one set (results/eval/README.md, section "Run 5").
 
 ``pool``: one checkpoint's line units on several example sets whose targets are disjoint (each
 set excluded the earlier ones); prints each set's gain and the gain over all their examples, with

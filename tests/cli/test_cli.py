@@ -220,7 +220,7 @@ def test_offload_mode_prints_block_timing(capsys):
 
 
 def test_default_model_is_the_bundled_trained_checkpoint(capsys):
-    """No --model: the trained code model from checkpoints/code-sdar (issue 6), not a random
+    """No --model: the trained code model from checkpoints/code-sdar, not a random
     preset; it loads with its BPE tokenizer and decodes on the CPU."""
     from herald.cli import DEFAULT_MODEL
     from herald.models.loader import BUNDLED_CHECKPOINTS

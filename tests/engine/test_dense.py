@@ -1,4 +1,4 @@
-"""Dense engine vs the no-cache reference, batching, stop rules (issue 2 acceptance)."""
+"""Dense engine vs the no-cache reference, batching, stop rules."""
 
 from __future__ import annotations
 
