@@ -335,9 +335,17 @@ class OffloadEngine(Engine):
         if draft_kv is not None and not all(map(self._last_block, self.batch.requests)):
             self.policy.on_draft(draft_kv)
         self._block_step += 1
-        if not bool(self.batch.masked.any()):
+        if not bool(self.batch.masked.any()) and not (s == 0 and drafts and self._needs_next()):
+            # NOTE: a drafting policy always gets its fused draft step, even when step 0 left no
+            # mask in any row: a row's next selection must not depend on whether its batch mates
+            # still had masks (alone it would otherwise select from its committed block, next to
+            # a slower mate from its draft: other inputs, other rounding, other tokens).
             self._in_commit = True
         return [self.batch.requests[i] for i in finished_rows]
+
+    def _needs_next(self) -> bool:
+        """Some running row has a block after this one."""
+        return any(not r.status.finished and not self._last_block(r) for r in self.batch.requests)
 
     def _last_block(self, req: Request) -> bool:
         """True when ``req`` ends with the current block by length (then no request of a batch

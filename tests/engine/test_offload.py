@@ -472,3 +472,33 @@ def test_lookahead_off_counts_the_synchronous_selection_as_stall():
     first, *_, last = eng.stats.blocks
     assert first.retrieval > 0 and first.stall >= first.retrieval
     assert last.retrieval == 0 and last.retrieval_start is None
+
+
+def test_next_selection_comes_from_the_draft_whatever_the_batch_mates():
+    """A request whose block has no mask left after step 0 (here: its first block holds 31 prompt
+    tokens and one mask) still takes the draft step, so its next block is selected from its
+    draft alone and next to a slower batch mate alike: the same inputs, the same tokens."""
+    model, config = _model("tiny-llada2")
+    b = config.block_size
+    a = _prompts(config, [2 * b - 1], seed=21)[0]  # first block: 31 prompt tokens + 1 mask
+    mate = _prompts(config, [b], seed=22)[0]  # first block: 32 masks
+    params = SamplingParams(max_new_tokens=65)
+    cfg = OffloadConfig.for_mode("herald", kv_budget=0.3, selection_threads=2)
+
+    def run(prompts):
+        recorder = SelectionRecorder()
+        eng = make_engine(
+            model, config, cfg, hooks=EngineHooks(on_selection=recorder), max_batch_size=2,
+            max_seq_len=256,
+        )  # fmt: skip
+        reqs = eng.generate(prompts, params)
+        eng.close()
+        first = recorder.jobs[0]
+        row = [r.request_id for r in reqs].index(reqs[0].request_id)
+        return reqs[0], first.dense_tail_start[row] - first.prefix_lens[row]
+
+    alone, tail_alone = run([a])
+    batched, tail_batched = run([a, mate])
+    assert alone.steps_per_block[0] == 1  # the one mask was accepted at step 0
+    assert tail_alone == tail_batched == b  # the tail is the draft, after the block's rows
+    assert alone.output_ids == batched.output_ids
