@@ -12,7 +12,8 @@ batch commits together, and the block boundary swaps the pools. Per block (main 
     step 0        forward over the active pool (a policy may select during it, with the block's
                   own queries); with a drafting policy, draft = argmax at every position
     step 1        drafting policies: one 2B forward (block + draft group); the draft's KV is
-                  handed to the policy, which starts selecting for block n+1
+                  handed to the policy, which starts selecting for block n+1 (always run, even
+                  when step 0 left no mask, so the selection's input never depends on the batch)
     steps 2..     forwards until no row has a mask left
     commit        forward on the clean blocks; their KV goes to the CPU pool
     boundary      the policy completes the next block's selection in the idle pool (waiting for
