@@ -87,6 +87,10 @@ class _Failed(Exception):
     """A request failed inside the engine (HTTP 500 for that request only)."""
 
 
+class _Disconnected(Exception):
+    """The client of a non-streamed request went away; its request is aborted."""
+
+
 def create_app(state: ServerState) -> FastAPI:
     """Build the app; its lifespan starts and stops ``state.engine_loop``'s thread."""
 
@@ -291,6 +295,9 @@ async def _complete(
     except _Failed as e:
         state.metrics.requests.labels("error").inc()
         return error_response(500, f"internal error in this request: {e}")
+    except _Disconnected:
+        state.metrics.requests.labels("aborted").inc()
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     state.metrics.requests.labels("ok").inc()
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     if chat:
@@ -327,7 +334,7 @@ async def _events(
             if request is not None and time.monotonic() - checked >= 0.5:
                 checked = time.monotonic()
                 if await request.is_disconnected():
-                    return
+                    raise _Disconnected
             if not kind:
                 continue
             if kind == "error":
@@ -369,6 +376,10 @@ async def _sse(
             first = False
             yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
         state.metrics.requests.labels("ok").inc()
+    except (asyncio.CancelledError, GeneratorExit):
+        # the client went away mid-stream: Starlette cancels the body; the request is aborted
+        state.metrics.requests.labels("aborted").inc()
+        raise
     except _Failed as e:
         state.metrics.requests.labels("error").inc()
         msg = f"internal error in this request: {e}"

@@ -142,6 +142,7 @@ class EngineLoop:
                 continue
             if not self.engine.has_unfinished():
                 self._publish(None)  # e.g. a waiting request aborted: say so
+                self._observe_idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -197,18 +198,31 @@ class EngineLoop:
         if step_seconds is not None:
             self._observe(step_seconds, new_tokens)
 
+    def generation_rate(self, now: float, min_span: float = 1e-6) -> float:
+        """Generated tokens per second over the trailing :data:`RATE_WINDOW_SECONDS` (engine
+        thread): the tokens of the steps that ended in the window over the time since the first
+        of them ended, at least ``min_span`` seconds; 0 once no step ended in the window."""
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_SECONDS:
+            self._recent.popleft()
+        if not self._recent:
+            return 0.0
+        span = max(now - self._recent[0][0], min_span, 1e-6)
+        return sum(n for _, n in self._recent) / span
+
+    def _observe_idle(self) -> None:
+        """No step ran: the rate gauge still decays over the window."""
+        if self.metrics is not None:
+            self.metrics.tokens_per_second.set(self.generation_rate(time.perf_counter()))
+
     def _observe(self, step_seconds: float, new_tokens: int) -> None:
         now = time.perf_counter()
         self._recent.append((now, new_tokens))
-        while self._recent and now - self._recent[0][0] > RATE_WINDOW_SECONDS:
-            self._recent.popleft()
+        rate = self.generation_rate(now, min_span=step_seconds)
         st = self.engine.stats
         new_blocks = st.blocks[max(0, self._blocks_seen - st.blocks_dropped) :]
         self._blocks_seen = st.blocks_dropped + len(st.blocks)
         if self.metrics is None:
             return
-        span = max(now - self._recent[0][0], step_seconds, 1e-6)
-        rate = sum(n for _, n in self._recent) / span
         eng = self.engine
         self.metrics.observe_step(
             step_seconds, new_tokens, rate, eng.num_running, eng.num_waiting, eng.num_running

@@ -19,6 +19,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, SamplingParams
 from herald.engines import MODES
 
+RETRY_AFTER_SECONDS = 1
+"""The ``Retry-After`` of a 503: the queue drains at block boundaries, a fraction of a second."""
+
 
 def error_response(
     status: int, message: str, *, param: str | None = None, code: str | None = None
@@ -31,7 +34,9 @@ def error_response(
         503: "overloaded_error",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    # 503: the waiting queue is full (or the engine is dead); clients back off and retry
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Common(BaseModel):

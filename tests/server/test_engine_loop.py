@@ -167,3 +167,13 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
         asyncio.run(go())
     finally:
         loop.stop()
+
+
+def test_generation_rate_covers_the_window_and_decays_to_zero_when_idle(tiny) -> None:
+    model, config, _ = tiny
+    loop = EngineLoop(make_engine(model, config, None, max_batch_size=1, max_seq_len=64))
+    loop._recent.extend([(100.0, 40), (102.0, 60)])  # two steps ended at t = 100 s and 102 s
+    assert loop.generation_rate(104.0) == pytest.approx(100 / 4.0)
+    assert loop.generation_rate(100.5, min_span=2.0) == pytest.approx(100 / 2.0)
+    assert loop.generation_rate(111.0) == pytest.approx(60 / 9.0)  # the first left the window
+    assert loop.generation_rate(113.0) == 0.0  # idle for longer than the window

@@ -165,6 +165,8 @@ def test_cancelled_stream_frees_its_slot(
     _wait(lambda: _idle(server))
     assert len(server.state.engine_loop.engine.batch) == 0
     assert server.state.engine_loop.num_aborted == aborted + 1
+    metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    assert 'herald_requests_total{outcome="aborted"}' in metrics  # not counted as "ok"
 
 
 def test_bad_inputs_get_4xx_while_a_good_request_completes(
@@ -334,6 +336,7 @@ def test_queue_full_503_and_api_key(
             full = c.post("/v1/completions", json=body, headers=auth)
             assert full.status_code == 503, full.text
             assert full.json()["error"]["type"] == "overloaded_error"
+            assert full.headers["retry-after"] == "1"
         t.join(timeout=60)
         assert queued and queued[0].status_code == 200
         # the closed stream's request is aborted at a block boundary (32 slowed steps); a loaded
