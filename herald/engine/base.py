@@ -188,16 +188,36 @@ class Engine(ABC):
         freed the requests' KV)."""
 
     def _fail_running(self, exc: BaseException) -> None:
-        failed = list(self.batch.requests)
-        dropped = self.scheduler.drop_prefilling()
-        if dropped is not None:
-            failed.append(dropped)
         self._reset_after_failure()
-        for req in failed:
+        for req in self._drop_all():
+            self._fail_request(req, exc)
+
+    def _fail_request(self, req: Request, exc: BaseException) -> None:
+        """``req`` ends with ``FINISHED_ERROR`` (unless it had finished) and its KV is freed."""
+        self.kv.free(req.request_id)
+        if not req.status.finished:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, exc
+
+    def _drop_all(self) -> list[Request]:
+        """Every running and prefilling request leaves the engine now, its KV freed; returns
+        them."""
+        dropped = self.scheduler.drop_prefilling()
+        reqs = [*self.batch.requests, *([dropped] if dropped is not None else [])]
+        for req in reqs:
             self.kv.free(req.request_id)
-            if not req.status.finished:
-                req.status, req.error = RequestStatus.FINISHED_ERROR, exc
         self.batch.remove(list(range(len(self.batch))))
+        return reqs
+
+    def _release_rows(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Batch rows leave: their slots and pages come back and the remaining rows compact
+        (the copies run on the current stream, after the forwards that wrote the slots).
+        Returns the row moves, for per-row state an engine keeps besides the batch."""
+        if not rows:
+            return []
+        running = [(r.request_id, r.block_start) for r in self.batch.requests]
+        moves = self.kv.release(running, rows)
+        self.batch.remove(rows)
+        return moves
 
     def _admit(self) -> None:
         """At a block boundary: schedule and run this boundary's prefill chunks; a request
@@ -214,8 +234,7 @@ class Engine(ABC):
                 if st is not None and any(st.request is c.request for c in chunks[i:]):
                     self.scheduler.drop_prefilling()
                 for c in chunks[i:]:
-                    self.kv.free(c.request.request_id)
-                    c.request.status, c.request.error = RequestStatus.FINISHED_ERROR, exc
+                    self._fail_request(c.request, exc)
                 raise
             self.stats.prefill_seconds += time.perf_counter() - t0
             self.stats.num_prefill_tokens += chunk.end - chunk.start
@@ -249,8 +268,6 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Free every request's KV and the engine's threads and pinned memory (idempotent)."""
-        dropped = self.scheduler.drop_prefilling()
-        for req in [*self.batch.requests, *([dropped] if dropped else [])]:
-            self.kv.free(req.request_id)
+        self._drop_all()
         self._sync()
         self.runner.release()

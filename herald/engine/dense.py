@@ -64,15 +64,6 @@ class DenseEngine(Engine):
         self._init_scheduler(kv)
 
     # -- boundary -------------------------------------------------------------------------------
-    def _release_rows(self, rows: list[int]) -> None:
-        """Rows leave: their slots come back, the others compact (same stream as the forwards
-        that wrote the slots, so each copy is ordered after them)."""
-        if not rows:
-            return
-        running = [(r.request_id, r.block_start) for r in self.batch.requests]
-        self.kv.release(running, rows)
-        self.batch.remove(rows)
-
     def _prefill(self, chunk: PrefillChunk) -> None:
         req, slot = chunk.request, chunk.slot
         assert slot is not None

@@ -411,10 +411,6 @@ class OffloadEngine(Engine):
         reqs = self.batch.requests
         done = [i for i, r in enumerate(reqs) if r.status.finished]
         self.batch.advance([i for i in range(len(reqs)) if i not in done])
-        if not done:
-            return
-        running = [(r.request_id, r.block_start) for r in reqs]
-        for src, dst in self.kv.release(running, done):
+        for src, dst in self._release_rows(done):
             self.k_sel[dst], self.last_len[dst] = self.k_sel[src], self.last_len[src]
-        del self.k_sel[len(reqs) - len(done) :], self.last_len[len(reqs) - len(done) :]
-        self.batch.remove(done)
+        del self.k_sel[len(self.batch) :], self.last_len[len(self.batch) :]
