@@ -15,7 +15,7 @@ denoises each block in lockstep). Callers (the CLI, the server, benchmarks) use 
 interface: :meth:`add_request`, :meth:`abort`, :meth:`step`, :meth:`has_unfinished`,
 :meth:`usage`, :attr:`stats`, :meth:`close`.
 
-Threads: :meth:`add_request`, :meth:`check_request`, :meth:`abort` and the read-only properties
+Threads: :meth:`add_request`, :meth:`abort` and the read-only properties
 are safe from any thread; :meth:`step`, :meth:`generate` and :meth:`close` belong to the one
 thread that steps the engine.
 """
@@ -104,23 +104,19 @@ class Engine(ABC):
         return self.scheduler.max_prefill_tokens
 
     # -- requests (any thread) ------------------------------------------------------------------
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
-        """The request ``prompt_ids`` / ``params`` would be, not queued. Raises ValueError for
-        bad params or an empty prompt, :class:`~herald.kv.manager.RequestTooLarge` when it can
-        never run here (context, vocabulary, CPU pool)."""
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """Queue a prompt; it joins the batch at a block boundary.
+
+        Raises ValueError for bad params or an empty prompt,
+        :class:`~herald.kv.manager.RequestTooLarge` when it can never run here (context,
+        vocabulary, CPU pool), :class:`~herald.engine.scheduler.QueueFullError` when
+        ``max_waiting`` requests wait already. Nothing is queued when it raises.
+        """
         cfg = self.config
         req = new_request(
             list(prompt_ids), params, cfg.block_size, self.max_seq_len, cfg.vocab_size
         )
-        self.kv.check_fits(req.prompt_len, params.max_new_tokens)
-        return req
-
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
-        """Queue a prompt; it joins the batch at a block boundary. Raises as
-        :meth:`check_request`, and :class:`~herald.engine.scheduler.QueueFullError` when
-        ``max_waiting`` requests wait already."""
-        req = self.check_request(prompt_ids, params)
-        self.scheduler.add(req)
+        self.scheduler.add(req)  # checks the CPU pages and the queue bound
         return req
 
     def abort(self, request: Request) -> None:
