@@ -22,7 +22,7 @@ class ModelRunner:
         self.model = model
         param = next(model.parameters())
         # The MoE reference path (non-bf16 MoE models) synchronises with the host and cannot be
-        # captured; the grouped_mm path (bf16 on CUDA) and dense FFNs are graph-safe.
+        # captured; the fused and grouped_mm paths (bf16 on CUDA) and dense FFNs are graph-safe.
         graph_safe = not is_moe or param.dtype == torch.bfloat16
         self.use_cuda_graph = use_cuda_graph and param.device.type == "cuda" and graph_safe
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}

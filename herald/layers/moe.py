@@ -10,20 +10,28 @@ docs/MODELS.md §6. Per token ``h`` [H]:
     out = sum_k w_k * Expert_{idx_k}(h)  (float32 sum, cast to the model dtype) + SharedExpert(h)
 
 Expert weights are held stacked: ``experts_gate_up`` [E, 2I, H] (gate rows then up rows, the HF
-``gate_proj``/``up_proj`` of each expert) and ``experts_down`` [E, H, I]. Two interchangeable
+``gate_proj``/``up_proj`` of each expert) and ``experts_down`` [E, H, I]. Three interchangeable
 expert paths compute the same thing:
 
 * ``reference``: a loop over the experts that received tokens (host sync; tests and CPU);
 * ``grouped_mm``: tokens sorted by expert and two ``torch._grouped_mm`` calls over the stacked
   weights (no host sync; CUDA bf16, sm80+). It also runs on CPU in recent torch, which the tests
-  use to compare the two paths.
+  use to compare the paths;
+* ``fused``: :mod:`herald.layers.moe_triton`, our Triton kernels (rows aligned per expert on the
+  GPU, SwiGLU fused into the gate/up GEMM, the unsort fused into the down GEMM's store).
 
-``impl="auto"`` (default) picks ``grouped_mm`` for bf16 CUDA inputs when available, else the
-reference.
+``impl="auto"`` (default) picks ``fused`` for bf16/fp16 CUDA inputs when Triton is present, else
+``grouped_mm`` when available, else the reference.
+
+On CUDA the router's GEMM runs on the bf16 operands with float32 accumulation and output
+(``torch.mm(..., out_dtype=float32)``): the products of two bf16 numbers are exact in float32, so
+this is the float32 GEMM of the reference up to the order of the sum, without the float32 copy of
+the router weights per call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -32,9 +40,10 @@ from torch import nn
 
 from herald.layers.fusion import cuda_compiled
 from herald.layers.mlp import SwiGLUMLP, swiglu
+from herald.layers.moe_triton import experts_fused, fused_available
 
-MoEImpl = Literal["auto", "reference", "grouped_mm"]
-MOE_IMPLS: tuple[str, ...] = ("auto", "reference", "grouped_mm")
+MoEImpl = Literal["auto", "reference", "grouped_mm", "fused"]
+MOE_IMPLS: tuple[str, ...] = ("auto", "reference", "grouped_mm", "fused")
 
 
 @cuda_compiled
@@ -161,7 +170,9 @@ class MoEGate(nn.Module):
         self.register_buffer("expert_bias", bias, persistent=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> router logits [T, E] float32 (the matmul itself runs in float32)."""
+        """[T, H] -> router logits [T, E] float32 (float32 accumulation; see the module doc)."""
+        if x.is_cuda and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), self.weight.float())
 
 
@@ -226,15 +237,21 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, weights = self.route(flat)
-        use_grouped = self.impl == "grouped_mm" or (
-            self.impl == "auto" and grouped_mm_available(flat)
-        )
-        experts = experts_grouped_mm if use_grouped else experts_reference
-        y = experts(flat, idx, self.experts_gate_up, self.experts_down)  # [T, K, H]
+        y = self.experts_impl(flat)(flat, idx, self.experts_gate_up, self.experts_down)  # [T,K,H]
         out = combine_experts(y, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def experts_impl(self, x: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The expert path ``impl`` names for ``x`` (``auto``: the fastest that suits it)."""
+        if self.impl == "fused" or (
+            self.impl == "auto" and fused_available(x, self.experts_gate_up)
+        ):
+            return experts_fused
+        if self.impl == "grouped_mm" or (self.impl == "auto" and grouped_mm_available(x)):
+            return experts_grouped_mm
+        return experts_reference
 
     def extra_repr(self) -> str:
         return (

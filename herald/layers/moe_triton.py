@@ -1,0 +1,179 @@
+"""Fused MoE experts in Triton: rows aligned per expert on the GPU, two grouped GEMMs with fused
+epilogues. Same contract as :func:`herald.layers.moe.experts_reference` (docs/MODELS.md §6).
+
+For T tokens routed to K experts each (E experts, hidden H, expert intermediate I):
+
+1. **align** (:func:`align_by_expert`, torch ops, no host sync, static shapes): the T*K (token,
+   slot) rows sorted by expert (stable) and each expert's group padded to a multiple of
+   ``BLOCK_M``, so every tile of ``BLOCK_M`` positions belongs to one expert. ``rows`` [P] int32
+   holds the (token, slot) row of each position (``T*K`` marks padding) and ``tile_expert``
+   [P / BLOCK_M] int32 the expert of each tile (-1 past the last one). P depends on T, K and E
+   only, so the launches have the same shapes for every routing (CUDA-graph safe).
+2. **gate/up + SwiGLU**: per tile, the x rows gathered by token, both halves of the expert's
+   ``w_gate_up`` [2I, H] multiplied in one pass (two float32 accumulators), and
+   ``silu(gate) * up`` written once in the model dtype to ``act`` [P, I]. Neither the sorted
+   copy of x nor the [T*K, 2I] gate/up product exists in memory.
+3. **down**: the ``act`` tile times the expert's ``w_down`` [H, I], stored straight to its
+   (token, slot) row of ``out`` [T*K, H]: the unsort is the store's address, not a gather.
+
+The weighted sum over the K slots stays in :func:`herald.layers.moe.combine_experts` (float32, in
+slot order): an atomic combine inside the down GEMM would add the slots in whatever order the
+tiles finish, so a token's rounding would change from run to run.
+
+Batch invariance: a row's result depends only on its token and its expert. Every row's sum over
+H (or I) runs in ``BLOCK_K`` chunks in one fixed order, never split across programs, with the
+same ``BLOCK_M`` and ``BLOCK_K`` for every token count; the tuned choices (tile width over N,
+warps, pipeline stages) change how the work is spread, not the order of any row's sum. The GPU
+tests check it bit for bit.
+
+The GEMMs here differ from the reference in one rounding: SwiGLU is applied to the float32
+accumulators, where the reference rounds gate and up to the model dtype first.
+
+``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (float16/float32; the interpreter's bf16
+dot is not exact), which the CPU tests use with small tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BLOCK_M = 64  # rows per tile: fixed (see batch invariance above)
+BLOCK_K = 64  # reduction chunk: fixed (see batch invariance above)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one GEMM. ``block_m`` and ``block_k`` fix the numerics; the rest
+    only the speed."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_m: int = BLOCK_M
+    block_k: int = BLOCK_K
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton imports (it ships with CUDA builds of torch; CPU CI may lack it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """The Triton interpreter is on (kernels run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_available(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
+    """True when the fused path suits ``x``: CUDA bf16/fp16, Triton present, H and I multiples
+    of ``BLOCK_K``."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available()):
+        return False
+    hidden, inter = w_gate_up.shape[2], w_gate_up.shape[1] // 2
+    return hidden % BLOCK_K == 0 and inter % BLOCK_K == 0
+
+
+def padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Positions after padding every expert's group to ``block_m``: an upper bound that holds for
+    any routing of ``num_rows`` rows over ``num_experts`` experts."""
+    bound = num_rows + num_experts * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align_by_expert(
+    idx: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, slot) rows grouped by expert, each group padded to ``block_m``.
+
+    Args:
+        idx: [T, K] int64 expert ids.
+
+    Returns:
+        ``rows`` [P] int32 (row ``t*K + k`` at each position, ``T*K`` at padding) and
+        ``tile_expert`` [P // block_m] int32 (-1 for tiles past the last expert's group), with
+        P = :func:`padded_rows`. Within an expert, rows keep their (token, slot) order.
+    """
+    num_rows = idx.numel()
+    flat = idx.reshape(-1)
+    dev = idx.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    cnt_start = counts.cumsum(0) - counts
+    order = flat.to(torch.int32).argsort(stable=True)  # int32 keys halve the radix passes
+    sorted_e = flat[order]
+    rank = torch.arange(num_rows, device=dev) - cnt_start[sorted_e]
+    dest = pad_start[sorted_e] + rank
+    total = padded_rows(num_rows, num_experts, block_m)
+    rows = torch.full((total,), num_rows, dtype=torch.int32, device=dev)
+    rows[dest] = order.to(torch.int32)
+    tile_start = torch.arange(0, total, block_m, device=dev)
+    tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
+    return rows, tile_expert.to(torch.int32)
+
+
+# Tuned on the H200 for LLaDA2.0-mini's shapes (H 2048, I 512): wide tiles over N, deep pipelines.
+GATE_UP_CONFIG = TileConfig(block_n=128, num_warps=8, num_stages=3)
+DOWN_CONFIG = TileConfig(block_n=128, num_warps=4, num_stages=4)
+
+
+def experts_fused(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    gate_up_config: TileConfig | None = None,
+    down_config: TileConfig | None = None,
+) -> torch.Tensor:
+    """Every (token, slot) expert output: [T, H] x [T, K] ids -> [T, K, H] in ``x.dtype``.
+
+    ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I], contiguous. No host
+    sync. The configs default to the tuned ones; tests pass small tiles.
+    """
+    from herald.layers import _moe_kernels as kern
+
+    gu = gate_up_config or GATE_UP_CONFIG
+    dn = down_config or DOWN_CONFIG
+    if gu.block_m != dn.block_m:
+        raise ValueError("both GEMMs must use the same block_m (one alignment)")
+    num_tokens, top_k = idx.shape
+    num_experts, two_inter, hidden = w_gate_up.shape
+    inter = two_inter // 2
+    x = x.contiguous()
+    rows, tile_expert = align_by_expert(idx, num_experts, gu.block_m)
+    num_tiles = tile_expert.numel()
+    act = x.new_empty(rows.numel(), inter)
+    out = x.new_empty(num_tokens * top_k, hidden)
+    kern.gate_up_swiglu[(num_tiles, -(-inter // gu.block_n))](
+        x, w_gate_up, act, rows, tile_expert, num_tokens * top_k, hidden, inter,
+        **_meta(gu, TOP_K=top_k),
+    )  # fmt: skip
+    kern.down[(num_tiles, -(-hidden // dn.block_n))](
+        act, w_down, out, rows, tile_expert, num_tokens * top_k, hidden, inter,
+        **_meta(dn),
+    )  # fmt: skip
+    return out.view(num_tokens, top_k, hidden)
+
+
+def _meta(cfg: TileConfig, **extra: Any) -> dict[str, Any]:
+    return {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **extra,
+    }
