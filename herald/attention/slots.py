@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from herald.attention.block_kernel import block_attention, block_attention_available
 from herald.attention.masks import block_causal_chunk_mask, draft_group_mask, key_mask
 from herald.attention.sdpa import padded_kv_len, sdpa_folded, sdpa_gqa
 from herald.config import check_kv_pad
@@ -44,6 +45,10 @@ class SlotAttention:
     results are batch-invariant, and the attention shape changes once per ``kv_pad`` tokens rather
     than every block (cuDNN plans per shape). Costs up to ``kv_pad - 1`` masked keys per call.
     Prefill chunks (block-causal) are not padded.
+
+    On CUDA with Triton, denoising steps, commits and draft groups run
+    :func:`herald.attention.block_kernel.block_attention` instead of SDPA: each row over exactly
+    its own keys, batch-invariant without padding (``kv_pad`` then only sizes the store).
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class SlotAttention:
         self._kv_len = 0
         self._uniform: int | None = None
         self._prefix: torch.Tensor | None = None
+        self._prefix32: torch.Tensor | None = None
         self._block_size: int | None = None
         self._draft = False
         self._plain_kv_len = 0
@@ -103,6 +109,7 @@ class SlotAttention:
         self._length, self._kv_len = length, end
         self._uniform = prefix[0] if uniform else None
         self._prefix = torch.tensor(prefix, device=self.device)
+        self._prefix32 = self._prefix.to(torch.int32)
 
     def _key_mask(self, visible: int) -> torch.Tensor | None:
         if self._uniform is not None:
@@ -141,6 +148,12 @@ class SlotAttention:
                 self._uniform, self._length, self._block_size, self._kv_len, self.device
             )
             return sdpa_gqa(q, keys, values, mask)
+        if self._prefix32 is not None and block_attention_available(q, kc):
+            # One kernel over each row's own keys: no padding, no masks, batch-invariant.
+            return block_attention(
+                q, kc, vc, self._prefix32, slot_offset=self._slots.start,
+                draft_block=self._length // 2 if self._draft else 0,
+            )  # fmt: skip
         if not self._draft:
             return sdpa_folded(q, keys, values, self._key_mask(self._length))
         return self._draft_forward(q, keys, values)

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from herald.env import settings
+
 BLOCK_M = 64  # rows per tile: fixed (see batch invariance above)
 BLOCK_K = 64  # reduction chunk: fixed (see batch invariance above)
 
@@ -73,10 +75,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_enabled() -> bool:
+    """Triton is present and ``HERALD_TRITON`` (:mod:`herald.env`) is not ``0``."""
+    return settings().triton and triton_available()
+
+
 def fused_available(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
-    """True when the fused path suits ``x``: CUDA bf16/fp16, Triton present, H and I multiples
+    """True when the fused path suits ``x``: CUDA bf16/fp16, Triton enabled, H and I multiples
     of ``BLOCK_K``."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available()):
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_enabled()):
         return False
     hidden, inter = w_gate_up.shape[2], w_gate_up.shape[1] // 2
     return hidden % BLOCK_K == 0 and inter % BLOCK_K == 0

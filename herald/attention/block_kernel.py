@@ -1,0 +1,93 @@
+"""Block attention over per-slot KV stores in one Triton kernel: per-row key lengths, no padding,
+no mask tensors, GQA folded, and the draft group's visibility built in.
+
+Queries ``q`` [bs, L, Hq, D] of batch row i attend to store slot ``slot_offset + i`` (K/V
+[slots, Hkv, capacity, D], the store the slot backend writes the current tokens into first). Row
+i's keys are its own ``prefix[i] + L`` rows (a denoising step or commit: the prefix plus the
+block, bidirectionally); with ``draft_block`` = B (L = 2B, HERALD §IV-A1's fused draft step) the
+block's queries see ``[0, prefix + B)`` exactly as a plain step does and the draft's queries see
+``[0, prefix)`` and the draft rows ``[prefix + B, prefix + 2B)``.
+
+One program per (row, KV head, tile of query positions): the tile's ``G`` query heads that share
+the KV head are folded into its rows, and the keys stream in chunks of ``BLOCK_N`` with an online
+softmax in float32. Every row's reduction runs over its own keys in chunks that start at key 0,
+whatever the batch holds, so a row's result does not depend on its batch mates (no key-length
+padding needed) and the block group of a draft step is bit-identical to a plain step.
+
+``prefix`` is a device tensor: the launch shape depends on the batch size and L only, not on the
+key lengths, so the call can be captured in a CUDA graph and replayed for every block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from herald.layers.moe_triton import triton_enabled
+
+FOLDED_ROWS = 64  # query rows (positions x heads in a group) per program
+BLOCK_N = 64  # keys per chunk
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def query_tile(num_q_heads: int, num_kv_heads: int, length: int, draft_block: int = 0) -> int:
+    """Query positions per program: ``FOLDED_ROWS // G``, at most L (and B in draft mode)."""
+    g = num_q_heads // num_kv_heads
+    qt = max(1, FOLDED_ROWS // g)
+    limit = draft_block or length
+    while qt > 1 and limit % qt:
+        qt //= 2
+    return min(qt, limit)
+
+
+def block_attention_available(q: torch.Tensor, k_store: torch.Tensor) -> bool:
+    """True when the kernel suits the call: CUDA bf16/fp16, Triton enabled, power-of-two head
+    dim of at least 16, and at least 16 folded query rows per program."""
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_enabled()):
+        return False
+    d = q.shape[-1]
+    g = q.shape[2] // k_store.shape[1]
+    qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1])
+    return d >= 16 and d & (d - 1) == 0 and qt * g >= 16 and k_store.stride(-1) == 1
+
+
+def block_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    prefix: torch.Tensor,
+    *,
+    slot_offset: int = 0,
+    draft_block: int = 0,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    """See the module docstring. ``prefix`` [bs] int32 on the device; returns [bs, L, Hq, D].
+
+    The caller has written the current tokens' K/V at rows ``[prefix, prefix + L)`` of each
+    row's slot.
+    """
+    from herald.attention import _block_kernel as kern
+
+    bs, length, hq, d = q.shape
+    hkv = k_store.shape[1]
+    if draft_block and length != 2 * draft_block:
+        raise ValueError(f"a draft group has 2B queries: got L={length}, B={draft_block}")
+    qt = query_tile(hq, hkv, length, draft_block)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if prefix.dtype != torch.int32:
+        prefix = prefix.to(torch.int32)
+    kern.block_attention[(bs, hkv, length // qt)](
+        q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2),
+        k_store.stride(0), k_store.stride(1), k_store.stride(2),
+        v_store.stride(0), v_store.stride(1), v_store.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        L=length, DRAFT_B=draft_block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

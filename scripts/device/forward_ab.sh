@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Dense and HERALD throughput points with herald's Triton kernels on and off, in one run on the
+# device machine: LLaDA2.0-mini 32K at the 80 GB cap, dense bs 32 and HERALD `selected` bs 80.
+#
+#   scripts/device/forward_ab.sh [POINT ...]      POINT: "MODE BATCH", e.g. "dense 32"
+#
+# Each variant's points go to $OUT/triton_<0|1>/ (throughput.jsonl, README.md); the summary
+# (tok/s, forward median per variant and point) is printed and written to $OUT/ab_summary.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+points=("$@"); [ ${#points[@]} -eq 0 ] && points=("dense 32" "herald-selected 80")
+for spec in "${points[@]}"; do
+    for triton in 0 1; do
+        set -- $spec
+        HERALD_TRITON=$triton timeout 300 python3 -m herald.bench.throughput --model llada2-mini \
+            --context 32768 --mode "$1" --batches "$2" --gpu-memory-gb 80 \
+            --out "$OUT/triton_$triton" 2>&1 | tail -3
+    done
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
+import json, pathlib, sys
+for d in sorted(pathlib.Path(sys.argv[1]).glob("triton_*")):
+    for line in (d / "throughput.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("kind") == "point":
+            print(f"{d.name:10s} {r['variant']:16s} bs {r['batch']:3d} {r['status']:6s} "
+                  f"{r.get('decode_tokens_per_s', 0):8.1f} tok/s  fwd "
+                  f"{1e3 * (r.get('forward_median_s') or 0):6.2f} ms  {r['time_utc']}")
+PY

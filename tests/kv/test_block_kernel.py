@@ -1,0 +1,125 @@
+"""The Triton block attention (herald.attention.block_kernel) against SDPA with the slot
+backend's masks: in the Triton interpreter on the CPU, and on the GPU in bf16 with bit-for-bit
+batch invariance, the draft group's block half equal to a plain step, and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from herald.attention.masks import draft_group_mask, key_mask
+from herald.attention.sdpa import sdpa_folded
+from herald.layers.moe_triton import triton_available
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: torch.Tensor, slot0: int, draft: int
+) -> torch.Tensor:
+    bs, length = q.shape[:2]
+    kv_len = int(prefix.max()) + length
+    keys = k[slot0 : slot0 + bs, :, :kv_len].float()
+    vals = v[slot0 : slot0 + bs, :, :kv_len].float()
+    if not draft:
+        return sdpa_folded(q.float(), keys, vals, key_mask(prefix, length, kv_len))
+    qb, qd = q[:, :draft].float().contiguous(), q[:, draft:].float().contiguous()
+    ob = sdpa_folded(qb, keys, vals, key_mask(prefix, draft, kv_len))
+    od = sdpa_folded(qd, keys, vals, draft_group_mask(prefix, draft, kv_len))
+    return torch.cat([ob, od], dim=1)
+
+
+_INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_block_kernel import _reference
+    from herald.attention.block_kernel import block_attention
+    torch.manual_seed(0)
+    hq, hkv, d, cap, b = 8, 2, 32, 200, 16
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+        k = torch.randn(5, hkv, cap, d).to(dtype)
+        v = torch.randn(5, hkv, cap, d).to(dtype)
+        prefix = torch.tensor([0, 37, 150])
+        for draft in (0, b):
+            length = 2 * b if draft else b
+            q = torch.randn(3, length, hq, d).to(dtype)
+            out = block_attention(q, k, v, prefix.int(), slot_offset=1, draft_block=draft,
+                                  block_n=16)
+            ref = _reference(q, k, v, prefix, 1, draft)
+            err = (out.float() - ref).abs().max().item()
+            assert out.dtype == dtype and err < tol, (dtype, draft, err)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton not installed")
+def test_block_attention_matches_sdpa_in_the_triton_interpreter() -> None:
+    script = _INTERPRETER_SCRIPT.format(tests=os.path.dirname(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def _store(slots: int, cap: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (slots, 4, cap, 128)
+    k = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    return k, v
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_block_attention_matches_sdpa_on_cuda() -> None:
+    """LLaDA2.0-mini heads (16 query, 4 KV, 128 dim), sparse-pool and dense lengths."""
+    from herald.attention.block_kernel import block_attention, block_attention_available
+
+    k, v = _store(8, 9000)
+    prefix = torch.tensor([0, 1, 1703, 511, 8000, 4096, 33, 7000], device="cuda")
+    for draft in (0, 32):
+        length = 64 if draft else 32
+        q = torch.randn(8, length, 16, 128, device="cuda", dtype=torch.bfloat16)
+        assert block_attention_available(q, k)
+        out = block_attention(q, k, v, prefix.int(), draft_block=draft).float()
+        ref = _reference(q, k, v, prefix, 0, draft)
+        assert (out - ref).abs().max().item() < 2e-2, draft
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_block_attention_is_batch_invariant_and_the_draft_block_equals_a_plain_step() -> None:
+    from herald.attention.block_kernel import block_attention
+
+    k, v = _store(6, 6000, seed=1)
+    prefix = torch.tensor([5000, 17, 1703, 2048, 64, 4095], device="cuda", dtype=torch.int32)
+    q = torch.randn(6, 64, 16, 128, device="cuda", dtype=torch.bfloat16)
+    plain = block_attention(q[:, :32], k, v, prefix)
+    draft = block_attention(q, k, v, prefix, draft_block=32)
+    assert torch.equal(draft[:, :32], plain)  # the draft never changes the block's numbers
+    for i in range(6):  # each row alone, in its own slot, equals the row in the batch
+        alone = block_attention(q[i : i + 1, :32], k, v, prefix[i : i + 1], slot_offset=i)
+        assert torch.equal(alone, plain[i : i + 1]), i
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_block_attention_replays_in_a_cuda_graph_for_new_lengths() -> None:
+    from herald.attention.block_kernel import block_attention
+
+    k, v = _store(4, 4096, seed=2)
+    prefix = torch.tensor([10, 200, 3000, 64], device="cuda", dtype=torch.int32)
+    q = torch.randn(4, 32, 16, 128, device="cuda", dtype=torch.bfloat16)
+    block_attention(q, k, v, prefix)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block_attention(q, k, v, prefix)
+    for new in ([11, 4000, 0, 2047], [3000, 3000, 3000, 3000]):
+        prefix.copy_(torch.tensor(new, device="cuda", dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(out, block_attention(q, k, v, prefix)), new
