@@ -154,8 +154,7 @@ class OffloadConfig:
     """CPU pool size in tokens (one of ``cpu_kv_gb`` / ``cpu_kv_tokens``; pages of B tokens)."""
     selection_threads: int | None = None
     """CPU kernel threads (default: :func:`herald.env.selection_threads`: every core this process
-    may use but two, which stay free for the main stream's kernel launches and the retrieval
-    thread's Python)."""
+    may use, or ``HERALD_SELECTION_THREADS``)."""
     proxy_ratio: float = 0.25
     """InfiniGen proxy: fraction of head_dim channels kept in the partial-key cache."""
 
