@@ -32,6 +32,7 @@ def block_attention(
     stride_oh,
     L: tl.constexpr,  # query positions per row
     DRAFT_B: tl.constexpr,  # 0: plain; B: positions [B, 2B) are the draft group
+    CAUSAL_B: tl.constexpr,  # 0: plain; B: block-causal over the L positions (a prefill chunk)
     G: tl.constexpr,  # query heads per KV head
     QT: tl.constexpr,  # query positions per program (divides B in draft mode)
     D: tl.constexpr,
@@ -50,6 +51,8 @@ def block_attention(
         lo_end = tl.where(draft, p, p + DRAFT_B)  # the block: prefix + block, as a plain step
         hi_start = tl.where(draft, p + DRAFT_B, 0)
         hi_end = tl.where(draft, p + 2 * DRAFT_B, 0)
+    if CAUSAL_B > 0:
+        lo_end = p + (t0 // CAUSAL_B + 1) * CAUSAL_B  # earlier blocks and the tile's own block
     loop_end = tl.maximum(lo_end, hi_end)
 
     offs_m = tl.arange(0, QT * G)  # folded query rows: position-major, then head in group

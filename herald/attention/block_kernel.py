@@ -6,7 +6,9 @@ Queries ``q`` [bs, L, Hq, D] of batch row i attend to store slot ``slot_offset +
 i's keys are its own ``prefix[i] + L`` rows (a denoising step or commit: the prefix plus the
 block, bidirectionally); with ``draft_block`` = B (L = 2B, HERALD §IV-A1's fused draft step) the
 block's queries see ``[0, prefix + B)`` exactly as a plain step does and the draft's queries see
-``[0, prefix)`` and the draft rows ``[prefix + B, prefix + 2B)``.
+``[0, prefix)`` and the draft rows ``[prefix + B, prefix + 2B)``. With ``causal_block`` = B (a
+prefill chunk of L tokens, L a multiple of B), query t sees ``[0, prefix + (t // B + 1) * B)``:
+every earlier block and its own block (block-causal).
 
 One program per (row, KV head, tile of query positions): the tile's ``G`` query heads that share
 the KV head are folded into its rows, and the keys stream in chunks of ``BLOCK_N`` with an online
@@ -32,11 +34,12 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
-def query_tile(num_q_heads: int, num_kv_heads: int, length: int, draft_block: int = 0) -> int:
-    """Query positions per program: ``FOLDED_ROWS // G``, at most L (and B in draft mode)."""
+def query_tile(num_q_heads: int, num_kv_heads: int, length: int, block: int = 0) -> int:
+    """Query positions per program: ``FOLDED_ROWS // G``, dividing L (and B for a draft group
+    or a block-causal chunk, so a tile never straddles two visibility rules)."""
     g = num_q_heads // num_kv_heads
     qt = max(1, FOLDED_ROWS // g)
-    limit = draft_block or length
+    limit = block or length
     while qt > 1 and limit % qt:
         qt //= 2
     return min(qt, limit)
@@ -61,6 +64,7 @@ def block_attention(
     *,
     slot_offset: int = 0,
     draft_block: int = 0,
+    causal_block: int = 0,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
@@ -76,7 +80,9 @@ def block_attention(
     hkv = k_store.shape[1]
     if draft_block and length != 2 * draft_block:
         raise ValueError(f"a draft group has 2B queries: got L={length}, B={draft_block}")
-    qt = query_tile(hq, hkv, length, draft_block)
+    if causal_block and (length % causal_block or draft_block):
+        raise ValueError(f"a block-causal chunk is whole blocks: L={length}, B={causal_block}")
+    qt = query_tile(hq, hkv, length, draft_block or causal_block)
     q = q.contiguous()
     out = torch.empty_like(q)
     if prefix.dtype != torch.int32:
@@ -87,7 +93,8 @@ def block_attention(
         k_store.stride(0), k_store.stride(1), k_store.stride(2),
         v_store.stride(0), v_store.stride(1), v_store.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        L=length, DRAFT_B=draft_block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n,
+        L=length, DRAFT_B=draft_block, CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d,
+        BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -46,7 +46,7 @@ class SlotAttention:
     than every block (cuDNN plans per shape). Costs up to ``kv_pad - 1`` masked keys per call.
     Prefill chunks (block-causal) are not padded.
 
-    On CUDA with Triton, denoising steps, commits and draft groups run
+    On CUDA with Triton, denoising steps, commits, draft groups and whole-block prefill chunks run
     :func:`herald.attention.block_kernel.block_attention` instead of SDPA: each row over exactly
     its own keys, batch-invariant without padding (``kv_pad`` then only sizes the store).
     """
@@ -141,6 +141,15 @@ class SlotAttention:
         self._write(kc, vc, k, v)
         keys = kc[self._slots, :, : self._kv_len]
         values = vc[self._slots, :, : self._kv_len]
+        fast = self._prefix32 is not None and block_attention_available(q, kc)
+        if fast and (self._block_size is None or self._length % self._block_size == 0):
+            # One kernel over each row's own keys: no padding, no masks, batch-invariant.
+            assert self._prefix32 is not None
+            return block_attention(
+                q, kc, vc, self._prefix32, slot_offset=self._slots.start,
+                draft_block=self._length // 2 if self._draft else 0,
+                causal_block=self._block_size or 0,
+            )  # fmt: skip
         if self._block_size is not None:
             # Prefill chunks are one request each, so the batch is uniform.
             assert self._uniform is not None
@@ -148,12 +157,6 @@ class SlotAttention:
                 self._uniform, self._length, self._block_size, self._kv_len, self.device
             )
             return sdpa_gqa(q, keys, values, mask)
-        if self._prefix32 is not None and block_attention_available(q, kc):
-            # One kernel over each row's own keys: no padding, no masks, batch-invariant.
-            return block_attention(
-                q, kc, vc, self._prefix32, slot_offset=self._slots.start,
-                draft_block=self._length // 2 if self._draft else 0,
-            )  # fmt: skip
         if not self._draft:
             return sdpa_folded(q, keys, values, self._key_mask(self._length))
         return self._draft_forward(q, keys, values)

@@ -12,18 +12,30 @@ import textwrap
 import pytest
 import torch
 
-from herald.attention.masks import draft_group_mask, key_mask
-from herald.attention.sdpa import sdpa_folded
+from herald.attention.masks import block_causal_chunk_mask, draft_group_mask, key_mask
+from herald.attention.sdpa import sdpa_folded, sdpa_gqa
 from herald.layers.moe_triton import triton_available
 
 
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: torch.Tensor, slot0: int, draft: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: torch.Tensor,
+    slot0: int,
+    draft: int,
+    causal: int = 0,
 ) -> torch.Tensor:
     bs, length = q.shape[:2]
     kv_len = int(prefix.max()) + length
     keys = k[slot0 : slot0 + bs, :, :kv_len].float()
     vals = v[slot0 : slot0 + bs, :, :kv_len].float()
+    if causal:
+        rows = []
+        for i in range(bs):
+            mask = block_causal_chunk_mask(int(prefix[i]), length, causal, kv_len, q.device)
+            rows.append(sdpa_gqa(q[i : i + 1].float(), keys[i : i + 1], vals[i : i + 1], mask))
+        return torch.cat(rows)
     if not draft:
         return sdpa_folded(q.float(), keys, vals, key_mask(prefix, length, kv_len))
     qb, qd = q[:, :draft].float().contiguous(), q[:, draft:].float().contiguous()
@@ -53,6 +65,10 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             ref = _reference(q, k, v, prefix, 1, draft)
             err = (out.float() - ref).abs().max().item()
             assert out.dtype == dtype and err < tol, (dtype, draft, err)
+        q = torch.randn(3, 3 * b, hq, d).to(dtype)  # a block-causal prefill chunk of 3 blocks
+        out = block_attention(q, k, v, prefix.int(), slot_offset=1, causal_block=b, block_n=16)
+        err = (out.float() - _reference(q, k, v, prefix, 1, 0, causal=b)).abs().max().item()
+        assert err < tol, (dtype, "causal", err)
     print("ok")
     """
 )
@@ -89,6 +105,10 @@ def test_block_attention_matches_sdpa_on_cuda() -> None:
         out = block_attention(q, k, v, prefix.int(), draft_block=draft).float()
         ref = _reference(q, k, v, prefix, 0, draft)
         assert (out - ref).abs().max().item() < 2e-2, draft
+    q = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)  # prefill chunks
+    pre = torch.tensor([0, 4096], device="cuda")
+    out = block_attention(q, k, v, pre.int(), causal_block=32).float()
+    assert (out - _reference(q, k, v, pre, 0, 0, causal=32)).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu

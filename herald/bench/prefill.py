@@ -1,0 +1,121 @@
+"""Prefill throughput through the engines' real prefill (GPU, full-size random weights).
+
+``python -m herald.bench.prefill --model llada2-mini --prompts 4096,16384,32768 --requests 4``
+
+Per engine mode and prompt length: one warm-up request (compiles and first launches, not
+counted), then ``--requests`` prompts queued at once and stepped until all have joined the decode
+batch. Reported: prefill tokens/s = prompt tokens over the engine's own prefill time
+(``EngineStats.prefill_seconds``: each chunk's forward, the KV writes, for offloading modes the
+copy to the CPU pool and the first block's selection, synchronised), and the wall time until the
+last request joined. ``--triton 0,1`` measures with herald's Triton kernels off and on in the
+same process (``HERALD_TRITON``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from herald.config import EngineConfig, SamplingParams
+from herald.engines import MODES, build_engine, offload_for_mode
+from herald.env import overridden
+from herald.models.base import BlockDiffusionLM
+from herald.models.config import ModelConfig
+from herald.models.loader import load_model
+
+
+def measure(
+    model: BlockDiffusionLM, config: ModelConfig, mode: str, prompt_len: int, requests: int
+) -> dict[str, object]:
+    """One mode and prompt length: tokens/s of the real prefill (see the module docstring)."""
+    engine_config = EngineConfig(
+        max_batch_size=requests, max_seq_len=prompt_len + 64, offload=offload_for_mode(mode)
+    )
+    eng = build_engine(model, config, engine_config)
+    g = torch.Generator().manual_seed(prompt_len)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+
+    def run(n: int) -> float:
+        reqs = [
+            eng.add_request(
+                torch.randint(0, min(1000, config.vocab_size), (prompt_len,), generator=g).tolist(),
+                params,
+            )
+            for _ in range(n)
+        ]
+        t0 = time.perf_counter()
+        while eng.num_waiting:
+            eng.step()
+        wall = time.perf_counter() - t0
+        while eng.has_unfinished():
+            eng.step()
+        assert all(r.status.finished for r in reqs)
+        return wall
+
+    try:
+        run(1)  # warm-up
+        eng.stats.prefill_seconds = 0.0
+        eng.stats.num_prefill_tokens = 0
+        wall = run(requests)
+        tokens, secs = eng.stats.num_prefill_tokens, eng.stats.prefill_seconds
+    finally:
+        eng.close()
+    return {
+        "mode": mode,
+        "prompt_tokens": prompt_len,
+        "requests": requests,
+        "prefill_tokens": tokens,
+        "prefill_seconds": secs,
+        "prefill_tokens_per_s": tokens / secs if secs else None,
+        "wall_until_all_joined_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m herald.bench.prefill", description=__doc__)
+    p.add_argument("--model", default="llada2-mini", help="random-weight preset")
+    p.add_argument("--modes", default="dense,herald", help=f"comma-separated of {MODES}")
+    p.add_argument("--prompts", default="4096,16384,32768", help="prompt lengths")
+    p.add_argument("--requests", type=int, default=4, help="prompts queued at once")
+    p.add_argument("--triton", default="1", help="HERALD_TRITON values to measure, e.g. 0,1")
+    p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    model, config, _ = load_model(
+        a.model, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
+    )
+    records = []
+    for triton in a.triton.split(","):
+        with overridden({"HERALD_TRITON": triton}):
+            for mode in a.modes.split(","):
+                for n in (int(s) for s in a.prompts.split(",")):
+                    rec = {
+                        "model": a.model,
+                        "triton": triton,
+                        **measure(model, config, mode, n, a.requests),
+                    }
+                    records.append(rec)
+                    tps = rec["prefill_tokens_per_s"]
+                    print(
+                        f"triton={triton} {mode:8s} {n:6d} tokens x {a.requests}: "
+                        f"{tps:10.0f} tok/s prefill, all joined after "
+                        f"{rec['wall_until_all_joined_s']:.2f} s",
+                        flush=True,
+                    )
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        with (a.out / "prefill.jsonl").open("a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
