@@ -1,13 +1,18 @@
 """Building a server: load the model, make the engine, its loop, metrics and the app.
 
-:func:`build_app` is what ``herald serve`` and the tests use; :func:`serve` runs it under uvicorn.
-The engine is built from the same :class:`~herald.config.EngineConfig` as a benchmark's, so what
-is served is what is measured (CUDA graphs on, by default).
+:func:`build_app` is what ``herald serve`` and the tests use; :func:`make_server` and
+:func:`serve` run it under uvicorn with the HTTP front's limits (:mod:`herald.server.front`) on a
+socket :func:`reserve_port` bound before the model loaded. The engine is built from the same
+:class:`~herald.config.EngineConfig` as a benchmark's, so what is served is what is measured
+(CUDA graphs on, by default).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import sys
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -15,9 +20,10 @@ from fastapi import FastAPI
 from herald.config import EngineConfig
 from herald.engines import build_engine
 from herald.models.loader import load_model
+from herald.server import front
 from herald.server.api import ServerState, create_app
 from herald.server.chat import ChatTemplate
-from herald.server.defaults import SERVE_DEFAULTS
+from herald.server.defaults import FRONT_DEFAULTS, SERVE_DEFAULTS, FrontLimits
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
 
@@ -32,13 +38,16 @@ def build_app(
     dtype: torch.dtype | None = None,
     api_key: str | None = None,
     seed: int = 0,
+    limits: FrontLimits = FRONT_DEFAULTS,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
-    models). ``max_seq_len`` is capped at the model's context. The engine thread starts with the
-    app's lifespan. Raises ValueError for bad settings, before the model loads where it can.
+    models), behind the HTTP front's ``limits``. ``max_seq_len`` is capped at the model's
+    context. The engine thread starts with the app's lifespan. Raises ValueError for bad
+    settings, before the model loads where it can.
     """
     engine.validate()
+    limits.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
     engine = engine.replace(max_seq_len=min(engine.max_seq_len, config.max_position_embeddings))
     eng = build_engine(net, config, engine)
@@ -55,11 +64,99 @@ def build_app(
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
     state = ServerState(loop, tokenizer, str(model), metrics, api_key, template)
-    return create_app(state)
+    app = create_app(state)
+    front.install(app, limits, lambda: state.api_key)
+    return app
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run ``app`` under uvicorn until interrupted."""
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening), so that a port in use is found
+    before the model loads and nobody takes it meanwhile. Port 0: the system picks one.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's, not permitted), with
+            the host and port in the message.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}): another server may "
+            "hold the port; give another --port, or --host"
+        ) from None  # fmt: skip
+    return sock
+
+
+def bound_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def banner(app: FastAPI, url: str) -> str:
+    """The line printed once the server accepts requests."""
+    state: ServerState = app.state.herald
+    eng = state.engine_loop.engine
+    mode = eng.mode if eng.mode == "dense" else f"{eng.mode} (kv budget {eng.kv_budget:g})"
+    waiting = eng.scheduler.max_waiting
+    return (
+        f"herald serve ready on {url}: model {state.model_name}, mode {mode}, device "
+        f"{eng.device}, max batch size {eng.max_batch_size}, max seq len {eng.max_seq_len}, "
+        f"max waiting {'unbounded' if waiting is None else waiting}"
+        + (", API key required on /v1" if state.api_key else "")
+    )
+
+
+def make_server(
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    limits: FrontLimits = FRONT_DEFAULTS,
+    log_level: str = "info",
+    on_ready: Any = None,
+) -> Any:
+    """A ``uvicorn.Server`` for ``app`` on ``sock`` with the front's limits; ``on_ready(line)`` is
+    called with :func:`banner`'s line once it accepts requests. Run it with
+    ``server.run(sockets=[sock])``."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_ready is not None:
+                on_ready(banner(app, bound_url(sock)))
+
+    config = uvicorn.Config(
+        app,
+        http=front.guarded_h11(limits.header_timeout_s),
+        # typed int by uvicorn, used as call_later's delay: fractions of a second work
+        timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+        log_level=log_level,
+        lifespan="on",
+    )
+    return ReadyServer(config)
+
+
+def _print_ready(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def serve(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    sock: socket.socket | None = None,
+    limits: FrontLimits = FRONT_DEFAULTS,
+) -> None:
+    """Run ``app`` under uvicorn until interrupted, on ``sock`` (from :func:`reserve_port`) or a
+    socket bound to ``host:port`` now; prints :func:`banner`'s line to stderr when ready."""
+    sock = sock or reserve_port(host, port)
+    server = make_server(app, sock, limits=limits, on_ready=_print_ready)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

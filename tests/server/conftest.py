@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 from helpers import make_engine
 
@@ -19,8 +18,8 @@ from herald.cli import main as cli_main
 from herald.config import OffloadConfig, SamplingParams
 from herald.models.loader import load_model
 from herald.server.api import ServerState
-from herald.server.defaults import SERVE_DEFAULTS
-from herald.server.launch import build_app
+from herald.server.defaults import FRONT_DEFAULTS, SERVE_DEFAULTS, FrontLimits
+from herald.server.launch import bound_url, build_app, make_server, reserve_port
 
 MODEL = "tiny-sdar"
 MAX_SEQ_LEN = 256
@@ -53,7 +52,7 @@ def assert_server_matches_cli(
 class LiveServer:
     app: FastAPI
     url: str
-    server: uvicorn.Server
+    server: Any  # uvicorn.Server
     thread: threading.Thread
 
     @property
@@ -66,29 +65,24 @@ class LiveServer:
         self.thread.join(timeout=15)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(
     dtype: torch.dtype = torch.float32,
     *,
     api_key: str | None = None,
     mode: str = "dense",
     offload: OffloadConfig | None = None,
+    limits: FrontLimits = FRONT_DEFAULTS,
     **engine_fields: object,
 ) -> LiveServer:
-    """A live server over ``herald serve``'s engine settings with ``engine_fields`` changed."""
+    """A live server over ``herald serve``'s engine and front settings with ``engine_fields``
+    changed, on a port the system picks (bound before the model loads, as ``herald serve``)."""
     if mode != "dense" and offload is None:
         offload = OffloadConfig.for_mode(mode)
     engine = SERVE_DEFAULTS.replace(max_seq_len=MAX_SEQ_LEN, offload=offload, **engine_fields)
-    app = build_app(MODEL, engine, device="cpu", dtype=dtype, api_key=api_key)
-    port = _free_port()
-    cfg = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(cfg)
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = reserve_port("127.0.0.1", 0)
+    app = build_app(MODEL, engine, device="cpu", dtype=dtype, api_key=api_key, limits=limits)
+    server = make_server(app, sock, limits=limits, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -96,7 +90,7 @@ def start_server(
             server.should_exit = True
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return LiveServer(app, f"http://127.0.0.1:{port}", server, thread)
+    return LiveServer(app, bound_url(sock), server, thread)
 
 
 @pytest.fixture(scope="module")
