@@ -161,6 +161,31 @@ void importance(const float* e, const float* f, int Qn, int Pp, int page_size, i
   }
 }
 
+// Non-temporal copy: whole 64-byte lines streamed when dst is 64-byte aligned (the source may be
+// unaligned), the rest with memcpy. Weakly ordered: store_fence() before the data is read.
+void copy_stream(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  size_t done = 0;
+  if (reinterpret_cast<uintptr_t>(d) % 64 == 0) {
+    for (; done + 256 <= bytes; done += 256) {
+      const __m512i x0 = _mm512_loadu_si512(s + done);
+      const __m512i x1 = _mm512_loadu_si512(s + done + 64);
+      const __m512i x2 = _mm512_loadu_si512(s + done + 128);
+      const __m512i x3 = _mm512_loadu_si512(s + done + 192);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + done), x0);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + done + 64), x1);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + done + 128), x2);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + done + 192), x3);
+    }
+    for (; done + 64 <= bytes; done += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + done), _mm512_loadu_si512(s + done));
+  }
+  if (done < bytes) __builtin_memcpy(d + done, s + done, bytes - done);
+}
+
+void store_fence() { _mm_sfence(); }
+
 }  // namespace
 }  // namespace herald
 

@@ -15,7 +15,7 @@ extern "C" {
 // The library is built with -fvisibility=hidden; only these entry points are exported.
 #define HERALD_API __attribute__((visibility("default")))
 
-#define HERALD_ABI_VERSION 4
+#define HERALD_ABI_VERSION 5
 
 // Return codes of the entry points; herald_last_error() holds the message.
 #define HERALD_OK 0
@@ -58,9 +58,11 @@ typedef struct {
   const int32_t* tail_lens;   // [n_req], 0 <= tail <= S, or NULL (no tail)
 } herald_select_args;
 
-// Copy the selected K and V rows into out[2, n_req, num_kv_heads, k_max, head_dim] (bf16).
+// Copy the selected K and V rows into out[2, n_req, num_kv_heads, k_max, head_dim] (bf16), with
+// non-temporal stores on the AVX-512 path.
 typedef struct {
-  int32_t n_req, num_kv_heads, head_dim, page_size, max_pages, k_max, num_threads, _pad0;
+  int32_t n_req, num_kv_heads, head_dim, page_size, max_pages, k_max, num_threads;
+  int32_t isa;  // as herald_select_args.isa (2: portable stores; anything else: the best here)
   int64_t num_pages, page_stride, head_stride;
   const uint16_t* k_pages;
   const uint16_t* v_pages;
@@ -70,12 +72,27 @@ typedef struct {
   uint16_t* out;                // [2, n_req, num_kv_heads, k_max, head_dim] contiguous
 } herald_gather_args;
 
+// Scatter blocks into pages: dst[o, index[i]] = src[o, i] for o < outer, i < n, each a run of
+// block_bytes bytes (src [outer, n, block], dst [outer, num_dst, block], both contiguous): the
+// CPU pool's block hand-off, on the kernel's own threads, with non-temporal stores on the
+// AVX-512 path (the pages are read next by other cores, from memory).
+typedef struct {
+  int32_t outer, n, num_dst, num_threads;
+  int32_t isa;  // as herald_gather_args.isa
+  int32_t _pad0;
+  int64_t block_bytes;
+  const void* src;
+  void* dst;
+  const int64_t* index;  // [n], each in [0, num_dst)
+} herald_scatter_args;
+
 HERALD_API int32_t herald_abi_version(void);
 HERALD_API const char* herald_source_hash(void);  // hash of the sources this library was built from
 HERALD_API int32_t herald_cpu_has_avx512bf16(void);  // 1 if the AVX-512 BF16 path can run here
 HERALD_API const char* herald_last_error(void);   // message of the last failed call on this thread
 HERALD_API int32_t herald_select_topk(const herald_select_args* args);
 HERALD_API int32_t herald_gather_selected(const herald_gather_args* args);
+HERALD_API int32_t herald_scatter_blocks(const herald_scatter_args* args);
 // Sum `nbytes` bytes at `data` with `num_threads` threads (a DRAM read-bandwidth probe).
 HERALD_API double herald_read_probe(const void* data, int64_t nbytes, int32_t num_threads);
 

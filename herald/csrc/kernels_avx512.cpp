@@ -289,7 +289,8 @@ namespace herald {
 
 const Kernels* avx512_kernels() {
   static const Kernels k = {"avx512", &qprep_bytes, &prep_q,   &score_page,
-                            &importance, &pv,        &unpermute};
+                            &importance, &pv,        &unpermute,
+                            &copy_stream, &store_fence};
   return &k;
 }
 

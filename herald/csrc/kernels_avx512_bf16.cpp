@@ -169,7 +169,8 @@ HERALD_AVX512_END
 namespace herald {
 const Kernels* avx512bf16_kernels() {
   static const Kernels k = {"avx512bf16", &qprep_bytes, &prep_q,   &score_page,
-                            &importance,  &pv,          &unpermute};
+                            &importance,  &pv,          &unpermute,
+                            &copy_stream, &store_fence};
   return &k;
 }
 }  // namespace herald

@@ -82,11 +82,16 @@ void unpermute(const float* src, float mul, float* dst, int D) {
   for (int d = 0; d < D; ++d) dst[d] = src[d] * mul;
 }
 
+void copy_stream(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+
+void store_fence() {}  // plain stores: the pool's barrier orders them
+
 }  // namespace
 
 const Kernels& portable_kernels() {
   static const Kernels k = {"portable", &qprep_bytes, &prep_q,   &score_page,
-                            &importance, &pv,          &unpermute};
+                            &importance, &pv,          &unpermute,
+                            &copy_stream, &store_fence};
   return k;
 }
 

@@ -1,5 +1,6 @@
-// Library-wide runtime, the gather into the staging buffer, a read-bandwidth probe and the small
-// C entry points (version, source hash, CPU features, last error).
+// Library-wide runtime, the gather into the staging buffer, the block scatter into the CPU pool, a
+// read-bandwidth probe and the small C entry points (version, source hash, CPU features, last
+// error).
 #include "runtime.h"
 
 #include <pthread.h>
@@ -70,6 +71,11 @@ Runtime& acquire_runtime(int num_threads, std::unique_lock<std::mutex>* lock) {
 
 void set_last_error(const std::string& msg) { g_last_error = msg; }
 
+const Kernels& copy_kernels(int isa) {
+  const Kernels* simd = avx512_kernels();
+  return isa != 2 && simd != nullptr && cpu_has_avx512bf16() ? *simd : portable_kernels();
+}
+
 }  // namespace herald
 
 using herald::set_last_error;
@@ -112,6 +118,7 @@ int32_t herald_gather_selected(const herald_gather_args* a) {
   try {
     std::unique_lock<std::mutex> lock;
     herald::Runtime& rt = herald::acquire_runtime(a->num_threads, &lock);
+    const herald::Kernels& kern = herald::copy_kernels(a->isa);
     const int T = rt.pool->size();
     const int64_t chunk = (total + T - 1) / T;
     std::vector<int64_t> bad(static_cast<size_t>(T), -1);
@@ -119,6 +126,10 @@ int32_t herald_gather_selected(const herald_gather_args* a) {
       int64_t g = chunk * tid;
       const int64_t end = std::min(total, g + chunk);
       if (g >= end) return;
+      struct Fence {  // on every exit of this thread's share, the early returns included
+        const herald::Kernels& k;
+        ~Fence() { k.store_fence(); }
+      } fence{kern};
       // Find the (kv, r) segment holding row g, then walk forward.
       size_t s = static_cast<size_t>(std::upper_bound(seg_start.begin(), seg_start.end(), g) -
                                      seg_start.begin()) - 1;
@@ -143,7 +154,7 @@ int32_t herald_gather_selected(const herald_gather_args* a) {
           }
           const uint16_t* src = base + pid * a->page_stride + h * a->head_stride + (pos % P) * D;
           uint16_t* dst = a->out + (((kv * static_cast<int64_t>(a->n_req) + r) * Hkv + h) * K + j) * D;
-          std::memcpy(dst, src, static_cast<size_t>(D) * 2);
+          kern.copy_stream(dst, src, static_cast<size_t>(D) * 2);
         }
         ++s;
       }
@@ -156,6 +167,43 @@ int32_t herald_gather_selected(const herald_gather_args* a) {
       }
   } catch (const std::exception& e) {
     set_last_error(std::string("gather_selected: ") + e.what());
+    return HERALD_EINTERNAL;
+  }
+  return HERALD_OK;
+}
+
+int32_t herald_scatter_blocks(const herald_scatter_args* a) {
+  if (a->outer < 0 || a->n < 0 || a->num_dst < 1 || a->num_threads < 1 || a->block_bytes < 0) {
+    set_last_error("scatter_blocks: invalid sizes");
+    return HERALD_EINVAL;
+  }
+  for (int i = 0; i < a->n; ++i)
+    if (a->index[i] < 0 || a->index[i] >= a->num_dst) {
+      set_last_error("scatter_blocks: index[" + std::to_string(i) + "] = " +
+                     std::to_string(a->index[i]) + " is outside [0, " + std::to_string(a->num_dst) +
+                     ")");
+      return HERALD_EINVAL;
+    }
+  try {
+    std::unique_lock<std::mutex> lock;
+    herald::Runtime& rt = herald::acquire_runtime(a->num_threads, &lock);
+    const herald::Kernels& kern = herald::copy_kernels(a->isa);
+    const int T = rt.pool->size();
+    const int64_t total = static_cast<int64_t>(a->outer) * a->n, chunk = (total + T - 1) / T;
+    const char* src = static_cast<const char*>(a->src);
+    char* dst = static_cast<char*>(a->dst);
+    rt.pool->run([&](int tid) {
+      const int64_t end = std::min(total, chunk * (tid + 1));
+      for (int64_t c = chunk * tid; c < end; ++c) {  // block c = (o, i), in src order
+        const int64_t o = c / a->n, i = c % a->n;
+        const int64_t to = o * a->num_dst + a->index[i];
+        kern.copy_stream(dst + to * a->block_bytes, src + c * a->block_bytes,
+                         static_cast<size_t>(a->block_bytes));
+      }
+      kern.store_fence();
+    });
+  } catch (const std::exception& e) {
+    set_last_error(std::string("scatter_blocks: ") + e.what());
     return HERALD_EINTERNAL;
   }
   return HERALD_OK;

@@ -73,6 +73,12 @@ struct Kernels {
   void (*pv)(const PvArgs& a);
   // One row of D accumulator values -> natural order d = 0..D-1, times `mul`.
   void (*unpermute)(const float* src, float mul, float* dst, int D);
+  // Copy `bytes` bytes to memory that is not read again soon by this core (staging buffers, pool
+  // pages): non-temporal stores where the ISA has them and `dst` is 64-byte aligned (no
+  // read-for-ownership of the destination lines), plain stores otherwise. A thread calls
+  // store_fence() after its copies and before anyone else reads them.
+  void (*copy_stream)(void* dst, const void* src, size_t bytes);
+  void (*store_fence)();
 };
 
 const Kernels& portable_kernels();
@@ -81,6 +87,9 @@ const Kernels* avx512_kernels();      // fp32 FMA (default)
 const Kernels* avx512bf16_kernels();  // vdpbf16ps
 // True if this CPU and OS can run the AVX-512 BF16 kernels.
 bool cpu_has_avx512bf16();
+// The kernels whose copy_stream / store_fence a plain copy uses: AVX-512 where it runs and `isa`
+// (the herald_select_args codes) does not ask for the portable path.
+const Kernels& copy_kernels(int isa);
 
 // Top-k by key (uint32 bit pattern of a non-negative float: order-preserving), ties broken
 // toward the smaller index. keys[i] belongs to position pos ? pos[i] : base + i, with positions

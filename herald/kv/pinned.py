@@ -4,7 +4,8 @@
 100 GB-class buffers (64 GiB in 50 s on an H200 host) and rounded up to a power of two. Instead
 the owner allocates pageable memory, touches it, and registers it here (96 GiB in ~5 s, 14x
 faster). Used by the CPU full KV pool (:mod:`herald.kv.cpu_pool`, HERALD §IV-B1); any large staging
-buffer can use it too.
+buffer can use it too. Also here: the host's waits on the device that the offloading path makes
+(:func:`host_wait`, :func:`copy_to_host`, :meth:`PinnedStaging.take`), which sleep, not spin.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 __all__ = [
     "REGISTER_CHUNK_BYTES",
     "PinnedStaging",
+    "copy_to_host",
+    "host_wait",
     "register_chunks",
     "register_pinned",
     "unregister_pinned",
@@ -90,6 +93,32 @@ def unregister_pinned(addresses: list[int]) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with CUDA error(s) {errors}")
 
 
+def host_wait(stream: torch.cuda.Stream | None = None) -> None:
+    """Block the calling thread until ``stream`` (default: the current stream) has run all the
+    work queued on it so far, asleep.
+
+    NOTE: ``Stream.synchronize()``, ``synchronize()`` on a default ``torch.cuda.Event`` and a
+    copy to pageable host memory (``.to("cpu")``, ``.tolist()``) busy-wait: with fewer CUDA
+    contexts than cores the runtime spins a core for the whole wait, a core the CPU selection
+    kernel's threads are using. An event made with ``blocking=True`` makes the host thread
+    sleep until the device signals it.
+    """
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    event.synchronize()
+
+
+def copy_to_host(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src`` (a CUDA tensor) copied into ``out`` (pinned host memory of its shape; default a
+    new pinned tensor) on the current stream, waited for with :func:`host_wait` (no spinning).
+    Returns ``out``, complete."""
+    if out is None:
+        out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    out.copy_(src, non_blocking=True)
+    host_wait()
+    return out
+
+
 class PinnedStaging:
     """A host staging buffer (pinned with :func:`register_pinned` when ``pin``) reused for
     asynchronous host-to-device copies.
@@ -120,7 +149,8 @@ class PinnedStaging:
 
     def copied(self) -> None:
         if self.pin:
-            self._event = torch.cuda.Event()
+            # blocking: take() and close() sleep on it (see host_wait)
+            self._event = torch.cuda.Event(blocking=True)
             self._event.record()
 
     def close(self) -> None:

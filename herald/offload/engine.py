@@ -113,7 +113,9 @@ class OffloadEngine(Engine):
         self.prompt = PromptPrefill(self)
         # Last: the pinned registrations and the policy's threads, so that nothing above (a GPU
         # allocation running out of memory) can leave a thread or pinned memory behind.
-        self.handoff = BlockHandoff(self.cpu_pool, self.max_batch_size, self.cuda)
+        self.handoff = BlockHandoff(
+            self.cpu_pool, self.max_batch_size, self.cuda, self.selection_threads
+        )
         try:
             self.policy = make_policy(self)
             kv.add_store(self.policy)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.pinned import PinnedStaging
+from herald.kv.pinned import PinnedStaging, host_wait
 from herald.kv.sparse_pool import GpuSparseKVPool
+from herald.offload.selection.cpu import scatter_blocks
 
 
 def pool_blocks(pool: GpuSparseKVPool, buffer: int, offsets: list[int], block: int) -> torch.Tensor:
@@ -43,13 +44,17 @@ class BlockHandoff:
     """Writes blocks of every offloaded layer from the device into CPU pool pages.
 
     Owns one pinned staging buffer ``[L', 2, slots, Hkv, B, D]`` (the main stream's; nothing else
-    writes it). Args: ``cpu_pool``; ``num_slots`` (rows at most per call); ``cuda``.
+    writes it). Args: ``cpu_pool``; ``num_slots`` (rows at most per call); ``cuda``;
+    ``num_threads``: the selection kernel's thread count (the host scatter runs on its threads;
+    another count would rebuild its thread pool at every call).
     """
 
-    def __init__(self, cpu_pool: CpuKVPool, num_slots: int, cuda: bool) -> None:
+    def __init__(
+        self, cpu_pool: CpuKVPool, num_slots: int, cuda: bool, num_threads: int | None = None
+    ) -> None:
         p = cpu_pool
         numel = p.num_layers * 2 * num_slots * p.num_kv_heads * p.page_size * p.head_dim
-        self.cpu_pool, self.cuda = cpu_pool, cuda
+        self.cpu_pool, self.cuda, self.num_threads = cpu_pool, cuda, num_threads
         self.staging = PinnedStaging(numel, p.dtype, cuda)
 
     def to_cpu(self, blocks: torch.Tensor, pages: list[int]) -> None:
@@ -59,16 +64,19 @@ class BlockHandoff:
         idx = torch.tensor(pages, dtype=torch.long)
         store = self.cpu_pool.storage
         if not self.cuda:
-            store.index_copy_(2, idx, blocks.to(store.dtype))
-            return
-        host = self.staging.take(blocks.shape)
-        host.copy_(blocks, non_blocking=True)
-        # NOTE: copy-before-read: the host scatter below reads the staging only after the
-        # device-to-host copy completed; and since this call returns only then, the staging is
-        # free for the next hand-off and every page written here is complete for any reader
-        # (the selection kernel, the gathers, MAGE's host reads).
-        torch.cuda.current_stream(blocks.device).synchronize()
-        store.index_copy_(2, idx, host)
+            host = blocks.to(store.dtype).contiguous()
+        else:
+            host = self.staging.take(blocks.shape)
+            host.copy_(blocks, non_blocking=True)
+            # NOTE: copy-before-read: the host scatter below reads the staging only after the
+            # device-to-host copy completed; and since this call returns only then, the staging
+            # is free for the next hand-off and every page written here is complete for any
+            # reader (the selection kernel, the gathers, MAGE's host reads). Asleep, not
+            # spinning (host_wait): a retrieval job may be selecting on every core meanwhile.
+            host_wait(torch.cuda.current_stream(blocks.device))
+        # The scatter runs on the selection kernel's threads, after any selection call in
+        # progress (scatter_blocks says why not a parallel index_copy_).
+        scatter_blocks(store, 2, idx, host, num_threads=self.num_threads)
 
     def close(self) -> None:
         self.staging.close()

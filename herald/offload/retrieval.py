@@ -31,7 +31,7 @@ import torch
 from herald.attention.prefix_tail import attend_prefix_and_tail
 from herald.engine.hooks import FaultInjection
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.pinned import PinnedStaging
+from herald.kv.pinned import PinnedStaging, copy_to_host
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.models.base import BlockDiffusionLM, DecoderLayer
@@ -122,6 +122,7 @@ class RetrievalWorker:
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
         numel = 2 * pool.num_slots * hkv * pool.capacity * d
         self._staging = [PinnedStaging(numel, cpu_pool.dtype, self.cuda) for _ in pool.layers]
+        self._q_host: torch.Tensor | None = None  # pinned, for the query (sized at first use)
         self._queue: queue.Queue[RetrievalJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="herald-retrieval", daemon=True)
         self._thread.start()
@@ -167,7 +168,8 @@ class RetrievalWorker:
                     if job.ready is not None:
                         # NOTE: copy-before-read: the draft / committed KV copies of the main
                         # stream complete before this stream reads the dense store, and the
-                        # host reads of the CPU pool below wait for the same event.
+                        # host reads of the CPU pool below wait for the same event (a blocking
+                        # one: the host sleeps, HeraldPolicy._start makes it).
                         self.stream.wait_event(job.ready)
                         job.ready.synchronize()
                     self._select(job)
@@ -208,6 +210,21 @@ class RetrievalWorker:
         if self.faults is not None and self.faults.max_delay > 0:
             time.sleep(self.faults.delay())
 
+    def _query_to_host(self, q: torch.Tensor) -> torch.Tensor:
+        """The layer's query ``[n, 1, H, D]`` bf16 on the host, once this stream computed it.
+
+        NOTE: into pinned memory, then a blocking wait (copy_to_host): a plain ``q.to("cpu")``
+        is a copy to pageable memory that spins a core until this stream (behind the layer's
+        projections, at a low share of a GPU busy with a denoising forward) gets there, a core
+        the kernel's threads need. The buffer is reused per layer: the kernel reading it
+        returns before the next layer's copy is queued."""
+        if not self.cuda:
+            return q.to(torch.bfloat16)
+        if self._q_host is None:  # (small: from PyTorch's pinned allocator)
+            numel = self.pool.num_slots * q[0].numel()
+            self._q_host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+        return copy_to_host(q.to(torch.bfloat16), self._q_host[: q.numel()].view(q.shape))
+
     def _offloaded_layer(
         self,
         job: RetrievalJob,
@@ -221,7 +238,7 @@ class RetrievalWorker:
         pl = layer_id - self.num_dense
         kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
         t0 = time.perf_counter()
-        q_cpu = q.to("cpu", torch.bfloat16)  # synchronises this stream: q is ready
+        q_cpu = self._query_to_host(q)
         t1 = time.perf_counter()
         res = select_topk(
             q_cpu,

@@ -89,8 +89,9 @@ class HeraldPolicy(SelectionPolicy):
         if core.cuda:
             # NOTE: the event covers the main stream's work so far: the dense layers' KV of the
             # draft (or of the committed block) that the retrieval stream reads on the GPU. The
-            # CPU pages were written synchronously (BlockHandoff.to_cpu).
-            ready = torch.cuda.Event()
+            # CPU pages were written synchronously (BlockHandoff.to_cpu). Blocking: the
+            # retrieval thread synchronizes on it asleep instead of spinning a core.
+            ready = torch.cuda.Event(blocking=True)
             ready.record()
         record = core.hooks.on_selection is not None
         job = RetrievalJob(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from herald.attention.base import AttentionBackend
+from herald.kv.pinned import copy_to_host
 from herald.offload.handoff import page_table
 from herald.offload.policies.base import SelectionPolicy
 from herald.offload.selection.proxy import proxy_channels, proxy_topk
@@ -85,11 +86,10 @@ class InfiniGenPolicy(SelectionPolicy):
             part = self.partial_k[layer][i, :, : ranked[i]]
             idx[i, :, : picked[i]] = proxy_topk(q[i], part, chans, core.k_sel[i])
             tables.append(core.kv.pages(req.request_id)[: max(1, -(-ranked[i] // b))])
-        idx_host = idx.cpu()
-        if core.cuda:
-            # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
-            # device-to-host copy into the pool still in flight must land before host reads.
-            torch.cuda.current_stream(core.device).synchronize()
+        # NOTE: copy-before-read: the commit's hand-off is synchronous, but any other
+        # device-to-host copy into the pool still in flight must land before host reads; on
+        # CUDA the picks' copy to the host waits for them too (same stream), asleep.
+        idx_host = copy_to_host(idx) if core.cuda else idx
         num = torch.tensor(picked, dtype=torch.int32)
         core.gather_and_write(buf, layer, page_table(tables), idx_host, num)
 

@@ -18,6 +18,7 @@ import torch
 from herald.attention.base import AttentionBackend
 from herald.attention.prefix_tail import attend_prefix_and_tail
 from herald.attention.sdpa import padded_kv_len, sdpa_folded
+from herald.kv.pinned import copy_to_host
 from herald.offload.policies.base import SelectionPolicy
 from herald.offload.selection.cpu import select_topk
 from herald.offload.selection.gpu_topk import select_topk_rows
@@ -153,14 +154,15 @@ class MagePolicy(SelectionPolicy):
             core.cpu_pool.write_block(
                 pl, req.request_id, len(pages) - 1, k[i].transpose(0, 1), v[i].transpose(0, 1)
             )
-        if core.cuda:
-            torch.cuda.current_stream(core.device).synchronize()  # NOTE: copies before reads
+        # NOTE: copies before reads: on CUDA the query's copy to the host waits for the page
+        # copies above too (same stream), asleep (copy_to_host), not spinning.
+        q_host = copy_to_host(q.to(torch.bfloat16)) if core.cuda else q.to(torch.bfloat16)
         table = core.page_tables()
         seq = torch.tensor([st + b for st in starts], dtype=torch.int32)
         tails = torch.tensor([last + b for last in core.last_len], dtype=torch.int32)
         budgets = torch.tensor([max(kk, 1) for kk in core.k_sel], dtype=torch.int32)
         res = select_topk(
-            q.to("cpu", torch.bfloat16),
+            q_host,
             core.cpu_pool.k_pages(pl),
             core.cpu_pool.v_pages(pl),
             table,

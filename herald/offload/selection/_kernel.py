@@ -27,7 +27,7 @@ from pathlib import Path
 from herald.env import settings
 from herald.offload.selection import _kernel_build
 
-ABI_VERSION = 4  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
+ABI_VERSION = 5  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
 
 OK, EINVAL, ENONFINITE, EINTERNAL = 0, 1, 2, 3
 
@@ -94,7 +94,7 @@ class GatherArgs(ctypes.Structure):
                 "max_pages",
                 "k_max",
                 "num_threads",
-                "_pad0",
+                "isa",
             )
         ],
         ("num_pages", ctypes.c_int64),
@@ -106,6 +106,21 @@ class GatherArgs(ctypes.Structure):
         ("indices", _c_i32p),
         ("num_selected", _c_i32p),
         ("out", _c_u16p),
+    ]
+
+
+class ScatterArgs(ctypes.Structure):
+    """Mirror of ``herald_scatter_args``."""
+
+    _fields_ = [
+        *[
+            (name, ctypes.c_int32)
+            for name in ("outer", "n", "num_dst", "num_threads", "isa", "_pad0")
+        ],
+        ("block_bytes", ctypes.c_int64),
+        ("src", ctypes.c_void_p),
+        ("dst", ctypes.c_void_p),
+        ("index", ctypes.c_void_p),  # int64
     ]
 
 
@@ -126,26 +141,29 @@ _reason = ""
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.herald_abi_version.restype = ctypes.c_int32
-    lib.herald_source_hash.restype = ctypes.c_char_p
+    """The entry points of this ABI (after the version check: an older library lacks some)."""
     lib.herald_cpu_has_avx512bf16.restype = ctypes.c_int32
     lib.herald_last_error.restype = ctypes.c_char_p
     lib.herald_select_topk.restype = ctypes.c_int32
     lib.herald_select_topk.argtypes = [ctypes.POINTER(SelectArgs)]
     lib.herald_gather_selected.restype = ctypes.c_int32
     lib.herald_gather_selected.argtypes = [ctypes.POINTER(GatherArgs)]
+    lib.herald_scatter_blocks.restype = ctypes.c_int32
+    lib.herald_scatter_blocks.argtypes = [ctypes.POINTER(ScatterArgs)]
     lib.herald_read_probe.restype = ctypes.c_double
     lib.herald_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
 
 
 def _open(path: Path, origin: str, want_hash: str | None) -> NativeLibrary:
     lib = ctypes.CDLL(str(path))
-    _declare(lib)
+    lib.herald_abi_version.restype = ctypes.c_int32
+    lib.herald_source_hash.restype = ctypes.c_char_p
     if lib.herald_abi_version() != ABI_VERSION:
         raise OSError(f"{path}: ABI {lib.herald_abi_version()} != {ABI_VERSION}")
     got = lib.herald_source_hash().decode()
     if want_hash is not None and got != want_hash:
         raise OSError(f"{path}: built from other sources (hash {got}, sources {want_hash})")
+    _declare(lib)
     return NativeLibrary(lib, str(path), origin, bool(lib.herald_cpu_has_avx512bf16()))
 
 

@@ -20,6 +20,7 @@ threads, schedule, prefetch) are parsed once by :mod:`herald.env`.
 from __future__ import annotations
 
 import ctypes
+import math
 import warnings
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "SelectionResult",
     "gather_selected",
     "kernel_info",
+    "scatter_blocks",
     "select_topk",
 ]
 
@@ -243,13 +245,57 @@ def gather_selected(
     num_selected = num_selected.contiguous()
     args = _kernel.GatherArgs(
         n_req=n_req, num_kv_heads=hkv, head_dim=d, page_size=k_pages.shape[2],
-        max_pages=page_table.shape[1], k_max=k_max, num_threads=n, num_pages=k_pages.shape[0],
+        max_pages=page_table.shape[1], k_max=k_max, num_threads=n,
+        isa=_ISA[settings().selection_isa], num_pages=k_pages.shape[0],
         page_stride=k_pages.stride(0), head_stride=k_pages.stride(1),
         k_pages=k_pages.data_ptr(), v_pages=v_pages.data_ptr(), page_table=page_table.data_ptr(),
         indices=indices.data_ptr(), num_selected=num_selected.data_ptr(), out=out.data_ptr(),
     )  # fmt: skip
     _kernel.check(lib, lib.lib.herald_gather_selected(ctypes.byref(args)), "gather_selected")
     return out
+
+
+def scatter_blocks(
+    dst: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+) -> None:
+    """``dst.index_copy_(dim, index, src)`` on the selection kernel's threads: the CPU pool's
+    block hand-off (``dst`` the pool storage, ``dim`` its page dimension).
+
+    Args: ``dst`` and ``src`` contiguous CPU tensors of one dtype whose shapes differ only at
+    ``dim``, where ``src`` has ``len(index)``; ``index`` int64 ``[n]`` in ``[0, dst.shape[dim])``,
+    no repeats. NOTE: the native path sleeps in the kernel's own thread pool instead of waking
+    PyTorch's OpenMP threads, which keep spinning after a parallel ``index_copy_`` returns, on
+    the cores a selection starting next (or running on the retrieval thread) needs; its
+    non-temporal stores skip reading the destination pages first. Calls queue behind a
+    selection in progress (one kernel call at a time). Raises TypeError / ValueError on bad
+    arguments (the PyTorch fallback: its own errors).
+    """
+    lib = _native()
+    if lib is None:
+        dst.index_copy_(dim, index, src)
+        return
+    for name, t in (("dst", dst), ("src", src), ("index", index)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous CPU tensor")
+    shape = list(src.shape)
+    if index.dtype != torch.int64 or index.dim() != 1 or not 0 <= dim < dst.dim():
+        raise ValueError(f"index must be int64 [n] and dim in [0, {dst.dim()}), got dim {dim}")
+    if src.dtype != dst.dtype or src.dim() != dst.dim() or shape[dim] != index.shape[0]:
+        raise ValueError(f"src {src.dtype} {shape} does not fit dst {dst.dtype} {list(dst.shape)}")
+    if shape[:dim] != list(dst.shape[:dim]) or shape[dim + 1 :] != list(dst.shape[dim + 1 :]):
+        raise ValueError(f"src {shape} and dst {list(dst.shape)} differ outside dim {dim}")
+    args = _kernel.ScatterArgs(
+        outer=math.prod(shape[:dim]), n=shape[dim], num_dst=dst.shape[dim],
+        num_threads=selection_threads(num_threads), isa=_ISA[settings().selection_isa],
+        block_bytes=math.prod(shape[dim + 1 :]) * src.element_size(), src=src.data_ptr(),
+        dst=dst.data_ptr(), index=index.data_ptr(),
+    )  # fmt: skip
+    _kernel.check(lib, lib.lib.herald_scatter_blocks(ctypes.byref(args)), "scatter_blocks")
 
 
 class _torch_threads:
