@@ -62,7 +62,7 @@ class LiveServer:
 
     def close(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=60)
 
 
 def start_server(
@@ -84,7 +84,7 @@ def start_server(
     server = make_server(app, sock, limits=limits, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             server.should_exit = True

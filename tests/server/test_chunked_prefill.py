@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 from conftest import Offline, start_server
+from engine_gate import engine_gate
 
 from herald.config import SamplingParams
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
 
 
 def test_long_prompt_prefilled_in_chunks_next_to_a_running_request(
@@ -39,13 +48,19 @@ def test_long_prompt_prefilled_in_chunks_next_to_a_running_request(
             r.raise_for_status()
             got[name] = r.json()["choices"][0]["token_ids"]
 
-        first = threading.Thread(target=post, args=("short", short))
-        first.start()
-        deadline = time.monotonic() + 30
-        while not len(engine.batch) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        post("long", long)
-        first.join(timeout=120)
+        with engine_gate(engine) as gate:
+            # the short one joins and decodes its first step; then the engine waits for the long
+            # one to be queued, so that its chunks are prefilled next to a running request
+            gate.hold_after(lambda: len(engine.batch) > 0)
+            first = threading.Thread(target=post, args=("short", short))
+            first.start()
+            second = threading.Thread(target=post, args=("long", long))
+            _wait_for(lambda: gate.held.is_set())
+            second.start()
+            _wait_for(lambda: engine.num_waiting == 1)
+            gate.open()
+            first.join(timeout=120)
+            second.join(timeout=120)
         for name, body in (("short", short), ("long", long)):
             params = SamplingParams(max_new_tokens=body["max_tokens"], ignore_eos=True)
             assert got[name] == offline.run(body["prompt"], params), name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -89,7 +89,7 @@ def _engine(s: LiveServer) -> OffloadEngine:
     return engine
 
 
-def _wait(cond: Any, timeout: float = 30.0) -> None:
+def _wait(cond: Any, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting"
@@ -102,13 +102,18 @@ def _idle(s: LiveServer) -> bool:
 
 
 def _record_steps(
-    s: LiveServer, monkeypatch: pytest.MonkeyPatch, gate: threading.Event | None = None
+    s: LiveServer,
+    monkeypatch: pytest.MonkeyPatch,
+    gate: threading.Event | None = None,
+    hold: Callable[[], bool] | None = None,
 ) -> list:
     """Wrap the engine's step: wait for ``gate`` (when given) before each; record (rows, CPU
-    pages used, aborted rows) after each."""
+    pages used, aborted rows) after each; clear ``gate`` (from the engine thread) after the
+    first step at whose end ``hold()`` is true."""
     engine = _engine(s)
     real_step = engine.step
     seen: list[tuple[int, int, int]] = []
+    held: list[bool] = []
 
     def step() -> Any:
         if gate is not None:
@@ -117,6 +122,9 @@ def _record_steps(
         reqs = engine.batch.requests
         aborted = sum(r.status == RequestStatus.FINISHED_ABORTED for r in reqs)
         seen.append((len(reqs), engine.cpu_pool.num_used_pages, aborted))
+        if gate is not None and hold is not None and not held and hold():
+            held.append(True)  # once
+            gate.clear()
         return out
 
     monkeypatch.setattr(engine, "step", step)
@@ -195,7 +203,16 @@ def test_cancel_mid_block_frees_cpu_pages_for_waiting_requests(
     s, engine = herald_server, _engine(herald_server)
     gate = threading.Event()
     gate.set()
-    seen = _record_steps(s, monkeypatch, gate)
+
+    after_first_block: list[int] = []
+
+    def mid_second_block() -> bool:  # 2 of 32 steps into its second block, whatever the timing
+        reqs = engine.batch.requests
+        if len(reqs) == 1 and reqs[0].output_ids:
+            after_first_block.append(1)
+        return len(after_first_block) == 3
+
+    seen = _record_steps(s, monkeypatch, gate, hold=mid_second_block)
     monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # the long one must not end early
     loop = s.state.engine_loop
     aborted = loop.num_aborted
@@ -213,18 +230,16 @@ def test_cancel_mid_block_frees_cpu_pages_for_waiting_requests(
             lines = r.iter_lines()  # kept open: leaving this block closes the stream
             while not next(lines).startswith("data: "):
                 pass  # its first block arrived: it is mid-generation
+            _wait(lambda: not gate.is_set(), timeout=120.0)  # held inside its second block
             for t in threads:
                 t.start()
-            _wait(lambda: loop.num_waiting == 2)  # held back by the CPU pool, not by slots
-            long_req = engine.batch.requests[0]
-            _wait(lambda: long_req.steps_in_block >= 2)  # well inside its second block
-            gate.clear()  # the engine stops before its next step (at most one more runs)
+            _wait(lambda: loop.num_waiting == 2, timeout=120.0)  # held back by the CPU pool
             assert len(engine.batch) == 1 and engine.cpu_pool.num_used_pages == 6
         # Leaving the block closed the stream: the abort reaches the engine mid-block.
-        _wait(lambda: engine.scheduler.num_aborts_pending == 1)
+        _wait(lambda: engine.scheduler.num_aborts_pending == 1, timeout=120.0)
         gate.set()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
     assert [r.status_code for r in results] == [200, 200]
     want = offline_herald.run(short["prompt"], _params(short))
     assert all(r.json()["choices"][0]["token_ids"] == want for r in results)

@@ -25,6 +25,7 @@ from conftest import (
     assert_server_matches_cli,
     start_server,
 )
+from engine_gate import engine_gate, running
 
 from herald.config import SamplingParams
 
@@ -40,7 +41,7 @@ def _params(body: dict[str, Any]) -> SamplingParams:
     )
 
 
-def _wait(cond: Any, timeout: float = 30.0) -> None:
+def _wait(cond: Any, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting"
@@ -136,18 +137,13 @@ def test_cancelled_stream_frees_its_slot(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = server.state.engine_loop.engine
-    real_step = engine.step
-
-    def slow_step() -> Any:  # keep the long request running until the client has gone
-        time.sleep(0.01)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
     monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # no early EOS: runs to the end
     aborted = server.state.engine_loop.num_aborted
     long_body = {"prompt": "a long one", "max_tokens": 200, "threshold": 1.0, "stream": True}
     short = {"prompt": "others keep going", "max_tokens": 32, "steps": 2}
-    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c, engine_gate(engine) as gate:
+        # held after the long request's first block: it cannot finish before the client goes
+        gate.hold_after(lambda: running(engine, 200))
         results: list[int] = []
         t = threading.Thread(
             target=lambda: results.extend(
@@ -159,10 +155,12 @@ def test_cancelled_stream_frees_its_slot(
             while not next(lines).startswith("data: "):
                 pass  # first block arrived: the request is mid-generation
             t.start()
-        # Leaving the block closed the stream.
-        t.join(timeout=60)
+        # Leaving the block closed the stream; the abort reaches the held engine.
+        _wait(lambda: engine.scheduler.num_aborts_pending == 1, timeout=120.0)
+        gate.open()
+        t.join(timeout=120)
     assert results == [200, 200, 200]
-    _wait(lambda: _idle(server))
+    _wait(lambda: _idle(server), timeout=120.0)
     assert len(server.state.engine_loop.engine.batch) == 0
     assert server.state.engine_loop.num_aborted == aborted + 1
     metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
@@ -299,15 +297,11 @@ def test_engine_error_fails_that_request_only(
 def test_queue_full_503_and_api_key(
     small_server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One slot, one waiting place: with the slot held and the place taken, a third request gets
+    a 503. The engine is held after the running request's first block (not slowed down), so no
+    step can free the slot or the place while the test looks."""
     s = small_server
     engine = s.state.engine_loop.engine
-    real_step = engine.step
-
-    def slow_step() -> Any:  # the tiny model is too quick to hold a slot otherwise
-        time.sleep(0.02)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
     monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # the held request must not end
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=s.url, timeout=TIMEOUT) as c:
@@ -323,24 +317,27 @@ def test_queue_full_503_and_api_key(
         long_body = {"prompt": "hold", "max_tokens": 200, "threshold": 1.0, "stream": True}
         queued: list[httpx.Response] = []
         loop = s.state.engine_loop
-        with c.stream("POST", "/v1/completions", json=long_body, headers=auth) as running:
-            lines = running.iter_lines()  # kept open: leaving this block closes the stream
-            while not next(lines).startswith("data: "):
-                pass  # first block arrived: the request holds the one slot
-            body = {"prompt": "queued", "max_tokens": 16, "steps": 1}
-            t = threading.Thread(
-                target=lambda: queued.append(c.post("/v1/completions", json=body, headers=auth))
-            )
-            t.start()
-            _wait(lambda: loop.num_waiting == 1, timeout=60.0)
-            full = c.post("/v1/completions", json=body, headers=auth)
-            assert full.status_code == 503, full.text
-            assert full.json()["error"]["type"] == "overloaded_error"
-            assert full.headers["retry-after"] == "1"
-        t.join(timeout=60)
+        with engine_gate(engine) as gate:
+            gate.hold_after(lambda: running(engine, 200))
+            with c.stream("POST", "/v1/completions", json=long_body, headers=auth) as held:
+                lines = held.iter_lines()  # kept open: leaving this block closes the stream
+                while not next(lines).startswith("data: "):
+                    pass  # its first block arrived: it holds the one slot, the engine waits
+                body = {"prompt": "queued", "max_tokens": 16, "steps": 1}
+                t = threading.Thread(
+                    target=lambda: queued.append(c.post("/v1/completions", json=body, headers=auth))
+                )
+                t.start()
+                _wait(lambda: loop.num_waiting == 1, timeout=120.0)
+                full = c.post("/v1/completions", json=body, headers=auth)
+                assert full.status_code == 503, full.text
+                assert full.json()["error"]["type"] == "overloaded_error"
+                assert full.headers["retry-after"] == "1"
+            # leaving the block closed the stream: its abort is pending, the engine still held
+            _wait(lambda: engine.scheduler.num_aborts_pending == 1, timeout=120.0)
+            gate.open()
+            t.join(timeout=120)
         assert queued and queued[0].status_code == 200
-        # the closed stream's request is aborted at a block boundary (32 slowed steps); a loaded
-        # 2-core machine once took over 30 s here
         _wait(lambda: _idle(s), timeout=120.0)
 
 
@@ -370,23 +367,22 @@ def test_disconnected_non_streaming_client_is_aborted(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = server.state.engine_loop.engine
-    real_step = engine.step
-
-    def slow_step() -> Any:  # ~230 steps: several seconds unless the request is aborted
-        time.sleep(0.02)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
     monkeypatch.setattr(engine.batch, "eos_token_ids", set())  # no early EOS: runs to the end
-    _wait(lambda: _idle(server))
+    _wait(lambda: _idle(server), timeout=120.0)
     aborted = server.state.engine_loop.num_aborted
     body = {"prompt": "gone", "max_tokens": 200, "threshold": 1.0}
-    with (
-        httpx.Client(base_url=server.url, timeout=httpx.Timeout(0.5)) as c,
-        pytest.raises(httpx.ReadTimeout),
-    ):
-        c.post("/v1/completions", json=body)
-    _wait(lambda: _idle(server), timeout=4.0)  # well before the request could finish
+    with engine_gate(engine) as gate:
+        # held after its first step: the request cannot finish, the client gives up waiting
+        gate.hold_after(lambda: running(engine, 200))
+        with (
+            httpx.Client(base_url=server.url, timeout=httpx.Timeout(60.0, read=0.5)) as c,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            c.post("/v1/completions", json=body)
+        # the server sees the disconnect while the request runs, and aborts it
+        _wait(lambda: engine.scheduler.num_aborts_pending == 1, timeout=120.0)
+        gate.open()
+    _wait(lambda: _idle(server), timeout=120.0)
     assert server.state.engine_loop.num_aborted == aborted + 1
 
 
