@@ -15,7 +15,7 @@ extern "C" {
 // The library is built with -fvisibility=hidden; only these entry points are exported.
 #define HERALD_API __attribute__((visibility("default")))
 
-#define HERALD_ABI_VERSION 5
+#define HERALD_ABI_VERSION 6
 
 // Return codes of the entry points; herald_last_error() holds the message.
 #define HERALD_OK 0
@@ -29,7 +29,9 @@ extern "C" {
 // [R, S), R = S - tail_lens[r] (tail: a draft block that the sparse attention always sees). Softmax
 // statistics and importance cover all S positions; top-k (k = min(budget[r], R), 0 allowed) is taken
 // over the ranked part only, so the tail never appears in `indices`. Selected mode attends over the
-// selected rows and the tail rows.
+// selected rows and the tail rows. With `gather_out`, each item also copies its selected K and V
+// rows there (the layout of herald_gather_args.out) as soon as its top-k is known, with
+// non-temporal stores on the AVX-512 paths: the gather without a second pass over the items.
 typedef struct {
   int32_t n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, max_pages;
   int32_t k_max;    // columns of `indices` (>= min(budget[r], seq_lens[r] - tail_lens[r]) for all r)
@@ -56,6 +58,8 @@ typedef struct {
   float* attn_output;         // out [n_req, n_q, num_heads, head_dim]
   float* importance;          // out [n_req, num_kv_heads, s_max] or NULL
   const int32_t* tail_lens;   // [n_req], 0 <= tail <= S, or NULL (no tail)
+  uint16_t* gather_out;       // out [2, n_req, num_kv_heads, k_max, head_dim] contiguous, or NULL;
+                              // rows past num_selected[r] untouched
 } herald_select_args;
 
 // Copy the selected K and V rows into out[2, n_req, num_kv_heads, k_max, head_dim] (bf16), with

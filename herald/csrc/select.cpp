@@ -10,7 +10,9 @@
 //             tail [R, S) is scored and normalised like any key, but never ranked); in full mode
 //             also P @ V over all pages;
 //   C. finish: (tiles only) merge the per-tile top-k; selected mode: P @ V over the selected rows
-//             and the tail rows only, renormalised; write indices / outputs.
+//             and the tail rows only, renormalised; write indices / outputs; with gather_out,
+//             copy the selected K and V rows into the staging layout (V rows just read by
+//             P @ V in selected mode are still in this core's cache).
 // Scheduling: whole items over threads (dynamic, longest first) when that balances well;
 // otherwise the pages of all items are cut into one contiguous tile per thread, with barriers
 // between A, B and C (the pool's run() calls). A tile's B runs on the thread that ran its A, so
@@ -86,6 +88,7 @@ class Selection {
   bool scan(Unit& u, Work& w);
   void rank(Unit& u, Work& w);
   void finish(int item_index, Work& w);
+  void gather(const Item& it, const int32_t* sel) const;
   void fail(int code, const std::string& msg);
 
   const herald_select_args& a_;
@@ -353,6 +356,29 @@ void Selection::rank(Unit& u, Work& w) {
   }
 }
 
+// The item's selected K and V rows -> gather_out[kv, r, h, j], streamed (not read back here).
+void Selection::gather(const Item& it, const int32_t* sel) const {
+  const int64_t rows = static_cast<int64_t>(a_.num_kv_heads) * a_.k_max;  // per request
+  uint16_t* kout = a_.gather_out + ((static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h) *
+                                    a_.k_max) * D_;
+  uint16_t* vout = kout + static_cast<int64_t>(a_.n_req) * rows * D_;
+  const size_t bytes = sizeof(uint16_t) * static_cast<size_t>(D_);
+  constexpr int kAhead = 8;  // rows prefetched ahead: selected K rows are scattered over S
+  for (int j = 0; j < std::min(it.k, kAhead); ++j)
+    prefetch_slab(k_slab(it.r, it.h, sel[j] / P_) + static_cast<int64_t>(sel[j] % P_) * D_, 1);
+  for (int j = 0; j < it.k; ++j) {
+    if (j + kAhead < it.k) {
+      const int nx = sel[j + kAhead];
+      prefetch_slab(k_slab(it.r, it.h, nx / P_) + static_cast<int64_t>(nx % P_) * D_, 1);
+    }
+    const int pos = sel[j], pg = pos / P_;
+    const int64_t off = static_cast<int64_t>(pos % P_) * D_;
+    kern_.copy_stream(kout + static_cast<int64_t>(j) * D_, k_slab(it.r, it.h, pg) + off, bytes);
+    kern_.copy_stream(vout + static_cast<int64_t>(j) * D_, v_slab(it.r, it.h, pg) + off, bytes);
+  }
+  kern_.store_fence();  // before the pool's barrier: the caller reads (DMAs) them next
+}
+
 void Selection::finish(int item_index, Work& w) {
   const Item& it = items_[item_index];
   const int64_t rh = static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h;
@@ -438,6 +464,7 @@ void Selection::finish(int item_index, Work& w) {
       for (int d = 0; d < D_; ++d) dst[d] += exact[j] / l * bf16_to_f32(vr[d]);
     }
   }
+  if (a_.gather_out != nullptr) gather(it, sel);
 }
 
 int Selection::run(Runtime& rt) {

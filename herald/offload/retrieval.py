@@ -8,9 +8,8 @@ centre of the next block through every layer:
   prefix rows plus the tail block (the draft, or the completed block when lookahead is off); -
   offloaded layers: the query goes to the CPU, :func:`~herald.offload.selection.cpu.select_topk`
   runs exact attention over the CPU pool (prefix pages + tail page, the tail attended but never
-  ranked) and returns the output and the top-k rows; the GPU runs o_proj + FFN for the next layer
-  while the CPU gathers the selected K/V rows into pinned staging and one async copy per layer fills
-  the idle sparse pool.
+  ranked) and returns the output and the top-k rows, the selected K/V rows gathered into pinned
+  staging by the same call; one async copy per layer fills the idle sparse pool.
 
 Fences (each has a NOTE where it is enforced):
 - the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete);
@@ -35,7 +34,7 @@ from herald.kv.pinned import PinnedStaging, copy_to_host
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.models.base import BlockDiffusionLM, DecoderLayer
-from herald.offload.selection.cpu import gather_selected, select_topk
+from herald.offload.selection.cpu import select_topk
 
 
 @dataclass
@@ -64,7 +63,8 @@ class RetrievalJob:
     t_submit: float = 0.0  # host perf_counter stamps: handed to the worker, begun, ended
     t_start: float = 0.0
     t_end: float = 0.0
-    # Per offloaded layer: host seconds in (query to host, CPU kernel, gather + copies).
+    # Per offloaded layer: host seconds in (query to host, CPU kernel with its fused gather,
+    # issuing the copies).
     layer_seconds: list[tuple[float, float, float]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cuda_done: torch.cuda.Event | None = None
@@ -237,9 +237,19 @@ class RetrievalWorker:
         n = len(job.request_ids)
         pl = layer_id - self.num_dense
         kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
+        hkv, d = kp.shape[1], kp.shape[3]
+        kmax = max(1, int(torch.minimum(budgets, seq - tails).max()))  # select_topk's k_max
+        slot = self.pool.layers.index(layer_id)
+        # NOTE: no staging reuse before its copy is done: take() waits (asleep) until the previous
+        # block's H2D from this layer's buffer completed before the kernel overwrites it.
+        out = self._staging[slot].take((2, n, hkv, kmax, d))
+        if self.faults is not None and self.faults.poison_staging:
+            out.fill_(float("nan"))
         t0 = time.perf_counter()
         q_cpu = self._query_to_host(q)
         t1 = time.perf_counter()
+        # The kernel gathers the selected K/V rows into the staging itself (gather_out), each
+        # (request, KV head) as soon as its top-k is known: no separate gather pass.
         res = select_topk(
             q_cpu,
             kp,
@@ -250,6 +260,7 @@ class RetrievalWorker:
             tail_lens=tails,
             output_mode=self.output_mode,
             num_threads=self.num_threads,
+            gather_out=out,
         )
         t2 = time.perf_counter()
         if not job.num_selected:
@@ -257,23 +268,6 @@ class RetrievalWorker:
         if job.record:
             job.recorded[layer_id] = (q_cpu.clone(), res.indices.clone())
         o = res.attn_output.to(self.device, self.dtype, non_blocking=True)
-        kmax = res.indices.shape[-1]
-        hkv, d = kp.shape[1], kp.shape[3]
-        slot = self.pool.layers.index(layer_id)
-        # NOTE: no staging reuse before its copy is done: take() waits until the previous block's
-        # H2D from this layer's buffer completed before the gather overwrites it.
-        out = self._staging[slot].take((2, n, hkv, kmax, d))
-        if self.faults is not None and self.faults.poison_staging:
-            out.fill_(float("nan"))
-        gather_selected(
-            kp,
-            vp,
-            job.page_table,
-            res.indices,
-            res.num_selected,
-            out=out,
-            num_threads=self.num_threads,
-        )
         # NOTE: exactly k_r rows per request. Rows past num_selected in the staging buffer are
         # stale or uninitialised; copying them would put garbage (possibly NaN bit patterns)
         # into pool rows that attention masks but still multiplies by zero (0 * NaN = NaN).

@@ -27,7 +27,7 @@ from pathlib import Path
 from herald.env import settings
 from herald.offload.selection import _kernel_build
 
-ABI_VERSION = 5  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
+ABI_VERSION = 6  # must equal HERALD_ABI_VERSION in herald/csrc/herald_selection.h
 
 OK, EINVAL, ENONFINITE, EINTERNAL = 0, 1, 2, 3
 
@@ -77,6 +77,7 @@ class SelectArgs(ctypes.Structure):
         ("attn_output", _c_f32p),
         ("importance", _c_f32p),
         ("tail_lens", _c_i32p),  # nullable: None = no tail
+        ("gather_out", _c_u16p),  # nullable: None = no fused gather
     ]
 
 

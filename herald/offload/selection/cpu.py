@@ -6,8 +6,9 @@ scores in a per-thread buffer, ranks positions by the softmax-normalised importa
 G query heads of the group and the n_q queries (:mod:`herald.offload.selection.topk`), and returns
 the top-k positions with the attention output. An optional per-request tail (the draft block of
 the lookahead) is attended to but excluded from the ranking: the sparse pool holds it anyway.
-:func:`gather_selected` then copies the selected K/V rows of one layer into one contiguous
-(pinned) staging buffer laid out as the GPU sparse pool expects, for one async copy.
+:func:`gather_selected` copies the selected K/V rows of one layer into one contiguous (pinned)
+staging buffer laid out as the GPU sparse pool expects, for one async copy; ``select_topk``'s
+``gather_out`` does the same inside the selection (the retrieval stream's path).
 
 Backends: the native C++ library (herald/csrc via :mod:`herald.offload.selection._kernel`;
 AVX-512 kernels where the CPU has AVX-512 BF16, else a portable path) or, if it cannot be built or
@@ -88,6 +89,7 @@ def select_topk(
     output_mode: str = "full",
     return_importance: bool = False,
     num_threads: int | None = None,
+    gather_out: torch.Tensor | None = None,
 ) -> SelectionResult:
     """Exact attention over each request's prefix and the top-k positions per KV head.
 
@@ -113,6 +115,11 @@ def select_topk(
             rows, i.e. what the sparse attention computes (reads K, and V only at those rows).
         return_importance: also return the importance vectors.
         num_threads: worker threads (default :func:`herald.env.selection_threads`).
+        gather_out: None, or a contiguous bf16 ``[2, n_req, num_kv_heads, k_max, head_dim]``
+            (typically pinned staging): the selected K and V rows are written there too, laid
+            out as :func:`gather_selected` writes them, by the thread that ranked each (request,
+            KV head), right after its top-k (no second pass over the items; non-temporal stores
+            on AVX-512). Rows past ``num_selected[r]`` are left untouched.
 
     Importance of position s for KV head h: ``sum_{q,g} exp(score[q,g,s] - m[q,g]) / l[q,g]`` over
     the n_q queries and the G query heads of the group, score = q.k * head_dim**-0.5, m and l the
@@ -138,7 +145,7 @@ def select_topk(
     # the native kernel validates page ids itself (cheaper than torch ops here)
     sh = check_selection_inputs(
         q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode, lib is None,
-        tail_lens=tail_lens,
+        tail_lens=tail_lens, gather_out=gather_out,
     )  # fmt: skip
     n = selection_threads(num_threads)
     if lib is None:
@@ -146,13 +153,15 @@ def select_topk(
             return select_topk_torch(
                 q, k_pages, v_pages, page_table, seq_lens, budget_tokens, tail_lens=tail_lens,
                 output_mode=output_mode, return_importance=return_importance,
-                compute_dtype=torch.float32,
+                compute_dtype=torch.float32, gather_out=gather_out,
             )  # fmt: skip
     tensors = dict(
         q=q.contiguous(), k_pages=k_pages, v_pages=v_pages, page_table=page_table.contiguous(),
         seq_lens=seq_lens.contiguous(), budget=budget_tokens.contiguous(),
     )  # fmt: skip
     tail = tail_lens.contiguous() if tail_lens is not None else None
+    if gather_out is not None:
+        tensors["gather_out"] = gather_out
     return _select_native(lib, sh, output_mode, n, tensors, return_importance, tail)
 
 
@@ -166,7 +175,7 @@ def _select_native(
     tail_lens: torch.Tensor | None,
 ) -> SelectionResult:
     """The native call on validated, contiguous inputs (``tensors``: q, pages, table, lengths,
-    budgets by the argument struct's names)."""
+    budgets and, if given, gather_out, by the argument struct's names)."""
     indices = torch.empty(sh.n_req, sh.num_kv_heads, sh.k_max, dtype=torch.int32)
     num_selected = torch.empty(sh.n_req, dtype=torch.int32)
     out = torch.empty(sh.n_req, sh.n_q, sh.num_heads, sh.head_dim, dtype=torch.float32)

@@ -113,11 +113,13 @@ def check_selection_inputs(
     check_page_ids: bool = True,
     *,
     tail_lens: object = None,
+    gather_out: object = None,
 ) -> SelectionShapes:
     """Validates ``select_topk`` arguments; raises TypeError/ValueError naming the argument.
 
     ``check_page_ids=False`` skips the range check of the used page_table entries (the native
-    kernel performs it itself). ``tail_lens`` None means no tail (all zeros).
+    kernel performs it itself). ``tail_lens`` None means no tail (all zeros); ``gather_out``
+    None means no gather.
     """
     q = _tensor(q, "q", torch.bfloat16, 4, "[n_req, n_q, num_heads, head_dim] bfloat16")
     k, _ = check_pages(k_pages, v_pages)
@@ -158,10 +160,23 @@ def check_selection_inputs(
     if check_page_ids:
         _check_page_ids(pt, (sl + page_size - 1) // page_size, num_pages)
     num_selected = [min(s - t, b) for s, b, t in zip(lens, budgets, tails, strict=True)]
+    k_max = max(1, *num_selected)
+    if gather_out is not None:
+        _check_gather_out(gather_out, (2, n_req, num_kv_heads, k_max, head_dim))
     return SelectionShapes(
         n_req, n_q, num_heads, num_kv_heads, head_dim, page_size, num_pages, max_pages,
-        lens, tails, num_selected, max(1, *num_selected), max(lens),
+        lens, tails, num_selected, k_max, max(lens),
     )  # fmt: skip
+
+
+def _check_gather_out(out: object, shape: tuple[int, ...]) -> None:
+    """A gather destination: a contiguous bf16 CPU tensor of exactly ``shape``."""
+    o = _tensor(out, "gather_out", torch.bfloat16, 5, "[2, n_req, num_kv_heads, k_max, head_dim]")
+    if tuple(o.shape) != shape or not o.is_contiguous():
+        raise ValueError(
+            f"gather_out must be contiguous {shape} (k_max = max(1, max num_selected)), got shape "
+            f"{tuple(o.shape)} (contiguous={o.is_contiguous()})"
+        )
 
 
 def _request_rows(pages: torch.Tensor, page_ids: torch.Tensor, s: int) -> torch.Tensor:
@@ -182,16 +197,18 @@ def select_topk_torch(
     output_mode: str = "full",
     return_importance: bool = False,
     compute_dtype: torch.dtype = torch.float64,
+    gather_out: torch.Tensor | None = None,
 ) -> SelectionResult:
     """PyTorch ``select_topk`` (same contract); computes in ``compute_dtype``.
 
     Ties in importance go to the smaller position (a stable descending sort). The tail
     ``[S - tail, S)`` takes part in the softmax and the importance but not in the ranking;
-    ``selected`` mode attends over the selected rows and the tail rows.
+    ``selected`` mode attends over the selected rows and the tail rows. ``gather_out``: the
+    selected rows are also gathered there (:func:`gather_selected_torch` of the result).
     """
     sh = check_selection_inputs(
         q, k_pages, v_pages, page_table, seq_lens, budget_tokens, output_mode,
-        tail_lens=tail_lens,
+        tail_lens=tail_lens, gather_out=gather_out,
     )  # fmt: skip
     hkv, g, d, p = sh.num_kv_heads, sh.group_size, sh.head_dim, sh.page_size
     indices = torch.full((sh.n_req, hkv, sh.k_max), -1, dtype=torch.int32)
@@ -230,7 +247,10 @@ def select_topk_torch(
             o = torch.matmul(torch.softmax(s_sel, dim=-1), v_sel)
         o = o.view(hkv, sh.n_q, g, d).permute(1, 0, 2, 3).reshape(sh.n_q, sh.num_heads, d)
         out[r] = o.float()
-    return SelectionResult(indices, torch.tensor(sh.num_selected, dtype=torch.int32), out, imp_out)
+    num = torch.tensor(sh.num_selected, dtype=torch.int32)
+    if gather_out is not None:
+        gather_selected_torch(k_pages, v_pages, page_table, indices, num, gather_out)
+    return SelectionResult(indices, num, out, imp_out)
 
 
 def check_gather_inputs(
