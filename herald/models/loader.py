@@ -15,12 +15,14 @@ one tensor).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from herald.models.common import DecoderLM
@@ -66,6 +68,21 @@ def _list(names: list[str], limit: int = 8) -> str:
     return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
+@contextmanager
+def open_weights(path: Path, device: str = "cpu") -> Iterator[Any]:
+    """``safe_open`` of one weights file; a file that is not valid safetensors (truncated, cut
+    short by a failed download, overwritten) raises :class:`CheckpointError` naming it."""
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({e}): it is truncated or corrupted; "
+            "download or write it again"
+        ) from None
+    with handle as st:
+        yield st
+
+
 def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Name -> (file, shape) of every tensor in the checkpoint, from the safetensors headers only.
 
@@ -80,7 +97,10 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, tuple[Path, tuple[int,
             f"{root} holds both {SINGLE_FILE} and {INDEX_FILE}: ambiguous, remove one"
         )
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid index (no weight_map): {e}") from None
         files = sorted({root / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -95,7 +115,7 @@ def checkpoint_tensors(ckpt_dir: str | Path) -> dict[str, tuple[Path, tuple[int,
             raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {root}")
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with open_weights(f) as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name not in weight_map or weight_map[name] == f.name:
                     found[name] = (f, tuple(st.get_slice(name).get_shape()))
@@ -172,7 +192,7 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
     for spec in specs:
         by_file.setdefault(found[spec.name][0], []).append(spec)
     for f, file_specs in by_file.items():
-        with safe_open(str(f), framework="pt", device=device) as st:
+        with open_weights(f, device) as st:
             for spec in file_specs:
                 t = st.get_tensor(spec.name)
                 target = get_target(model, spec)
@@ -187,7 +207,7 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
                     if sf == f:
                         scale = st.get_tensor(sname)
                     else:  # the writer keeps them together; another writer may not
-                        with safe_open(str(sf), framework="pt", device=device) as ss:
+                        with open_weights(sf, device) as ss:
                             scale = ss.get_tensor(sname)
                     try:
                         check_scale(sname, scale)

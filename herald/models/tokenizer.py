@@ -208,11 +208,17 @@ def load_tokenizer(path: str | Path | None, config: ModelConfig) -> Tokenizer:
                 stacklevel=2,
             )
         return byte_level_tokenizer(config)
-    backend = tokenizers.Tokenizer.from_file(str(tok_file))
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{tok_file} is not a readable tokenizer file: {e}") from None
     mask_strings: list[str] = []
     cfg_file = tok_file.with_name("tokenizer_config.json")
     if cfg_file.is_file():
-        mask = json.loads(cfg_file.read_text()).get("mask_token")
+        try:
+            mask = json.loads(cfg_file.read_text()).get("mask_token")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{cfg_file} is not a valid JSON object: {e}") from None
         if isinstance(mask, dict):
             mask = mask.get("content")
         if isinstance(mask, str):

@@ -205,3 +205,29 @@ def test_harmless_rotary_inv_freq_is_ignored(
     model, _, _ = load_model(ckpt, "cpu", torch.float32)
     ref = build_model(get_preset("tiny-sdar"), "cpu", torch.float32, seed=0)
     assert torch.equal(_logits(model), _logits(ref))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_corrupted_weights_file_is_named(tmp_path, damage):
+    from herald.models.loader import write_random_checkpoint
+
+    write_random_checkpoint("tiny-sdar", tmp_path, seed=0)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(
+        {"truncated": data[: len(data) // 3], "garbage": b"not safetensors" * 8, "empty": b""}[
+            damage
+        ]
+    )
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file") as e:
+        load_model(tmp_path, "cpu", torch.float32)
+    assert str(weights) in str(e.value)
+
+
+def test_a_corrupted_tokenizer_file_is_named(tmp_path):
+    from herald.models.loader import write_random_checkpoint
+
+    write_random_checkpoint("tiny-sdar", tmp_path, seed=0)
+    (tmp_path / "tokenizer.json").write_text('{"version": ')
+    with pytest.raises(ValueError, match="tokenizer.json is not a readable tokenizer file"):
+        load_model(tmp_path, "cpu", torch.float32)
