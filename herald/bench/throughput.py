@@ -10,7 +10,7 @@ GPU forward time at each batch, for the ceilings (:mod:`herald.bench.ceilings`).
 
 One sweep::
 
-    herald bench throughput --model llada2-mini --context 32768 --mode herald --budget 0.05 \\
+    herald bench throughput --model llada2-mini --context 32768 --mode herald --kv-budget 0.05 \\
         --batches 16,32,64 --gpu-memory-gb 80
 
 A plan (``--plan all`` regenerates every table and figure of results/throughput/README.md),
@@ -36,6 +36,7 @@ from herald.bench import throughput_plan as plan
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.bench.throughput_records import JSONL_NAME, load_records, log
 from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
+from herald.cliargs import HelpFormatter, add_list, deprecated_alias
 from herald.config import DEFAULT_KV_PAD, check_kv_pad
 
 __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
@@ -45,34 +46,30 @@ __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
 MAX_BLOCK_SIZE = 1024  # as `herald generate --block-size`
 
 
-def _csv(kind: type) -> Any:
-    def parse(text: str) -> list[Any]:
-        return [kind(x) for x in text.split(",") if x]
-
-    return parse
-
-
-def _caps(text: str) -> list[float | None]:
-    return [None if x.lower() in ("none", "0", "off") else float(x) for x in text.split(",")]
+def _cap(text: str) -> float | None:
+    return None if text.lower() in ("none", "0", "off") else float(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("one sweep (without --plan)")
     g.add_argument("--model", help="preset name or checkpoint directory")
-    g.add_argument("--context", type=_csv(int), help="context length(s) in tokens, comma list")
-    g.add_argument(
+    add_list(g, "--context", kind=int, metavar="TOKENS", help="context length(s) in tokens")
+    add_list(
+        g,
         "--mode",
-        type=_csv(str),
+        metavar="VARIANT",
         default=None,
-        help=f"variant(s), comma list: {', '.join(VARIANTS)} (default herald)",
+        help=f"variant(s): {', '.join(VARIANTS)} (default: herald)",
     )
     g.add_argument(
-        "--budget",
+        "--kv-budget",
+        dest="budget",
+        metavar="KV_BUDGET",
         type=float,
         default=None,
         help="KV budget of offloading modes (default: the mode's, e.g. herald 0.05)",
     )
-    g.add_argument("--batches", type=_csv(int), help="batch sizes, comma list")
+    add_list(g, "--batches", kind=int, metavar="BATCH", help="batch sizes")
     g.add_argument(
         "--gpu-memory-gb",
         type=float,
@@ -81,25 +78,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--steps", type=int, default=20, help="fixed denoising steps T per block")
     g = p.add_argument_group("plans")
-    g.add_argument("--plan", choices=["all", "table2", "fig13", "fig14", "smoke"], default=None)
+    g.add_argument(
+        "--plan",
+        choices=["all", "table2", "fig13", "fig14", "smoke"],
+        default=None,
+        help="run the sweeps of a table or figure of the report (all: every one), instead of "
+        "one sweep",
+    )
     g.add_argument("--part", default=None, help="i/n: run part i of n of the selected sweeps")
-    g.add_argument("--models", type=_csv(str), default=None, help="filter: models")
-    g.add_argument("--contexts", type=_csv(int), default=None, help="filter: contexts")
-    g.add_argument("--modes", type=_csv(str), default=None, help="filter: variants")
-    g.add_argument("--caps", type=_caps, default=None, help="filter: GPU caps (80,none)")
-    g.add_argument("--figures", type=_csv(str), default=None, help="filter: table2,fig13,...")
+    add_list(g, "--models", metavar="MODEL", help="filter: models")
+    add_list(g, "--contexts", kind=int, metavar="TOKENS", help="filter: contexts")
+    add_list(g, "--modes", metavar="VARIANT", help="filter: variants")
+    add_list(g, "--caps", kind=_cap, metavar="CAP", help="filter: GPU caps in GB (none: uncapped)")
+    add_list(g, "--figures", metavar="FIGURE", help="filter: figures (table2, fig13, ...)")
     g.add_argument("--dry-run", action="store_true", help="list pending points and exit")
     g = p.add_argument_group("measurement")
-    g.add_argument("--out", type=Path, default=Path("results/throughput"))
-    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/throughput"),
+        help="folder of the records (throughput.jsonl), the report and the plots",
+    )
+    g.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda[:N] (default: cuda if available)",
+    )
     g.add_argument(
         "--block-size",
         type=int,
         default=32,
         help=f"tokens per block, a power of two up to {MAX_BLOCK_SIZE} (default %(default)s)",
     )
-    g.add_argument("--warmup-blocks", type=int, default=1)
-    g.add_argument("--timed-blocks", type=int, default=2)
+    g.add_argument("--warmup-blocks", type=int, default=1, help="blocks decoded before timing")
+    g.add_argument("--timed-blocks", type=int, default=2, help="blocks timed per point")
     g.add_argument(
         "--slow-block-s",
         type=float,
@@ -113,8 +125,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU KV pool size in GiB (bounds DRAM; default: what the run needs, at "
         "most available DRAM minus --dram-reserve-gb)",
     )
-    g.add_argument("--dram-reserve-gb", type=float, default=16.0)
-    g.add_argument("--selection-threads", type=int, default=None)
+    g.add_argument(
+        "--dram-reserve-gb",
+        type=float,
+        default=16.0,
+        help="GiB of DRAM the CPU KV pool leaves free when it is sized from available DRAM",
+    )
+    g.add_argument(
+        "--selection-threads",
+        type=int,
+        default=None,
+        help="CPU selection kernel threads (default: every core but two)",
+    )
     g.add_argument(
         "--offload-cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -145,11 +167,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--time-limit-s",
         type=float,
         default=None,
-        help="start no point that would end after this many seconds",
+        help="start no point that would end after this many seconds (default: no limit)",
     )
-    g.add_argument("--first-point-estimate-s", type=float, default=60.0)
-    g.add_argument("--dram-probe-gib", type=float, default=2.0)
-    g.add_argument("--pcie-probe-mib", type=int, default=1024)
+    g.add_argument(
+        "--first-point-estimate-s",
+        type=float,
+        default=60.0,
+        help="--time-limit-s: seconds a sweep's first point is assumed to take (later points "
+        "are estimated from the last one)",
+    )
+    g.add_argument(
+        "--dram-probe-gib", type=float, default=2.0, help="GiB copied to measure DRAM bandwidth"
+    )
+    g.add_argument(
+        "--pcie-probe-mib", type=int, default=1024, help="MiB copied to measure PCIe bandwidth"
+    )
     g.add_argument("--retry-errors", action="store_true", help="remeasure points that errored")
     g.add_argument("--fail-fast", action="store_true", help="raise on a non-memory error")
     g.add_argument(
@@ -159,6 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="only rebuild DIR/README.md and the plots from DIR/*.jsonl",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
+    deprecated_alias(p, "--budget", "--kv-budget")
 
 
 def check_measurement_args(args: argparse.Namespace) -> None:
@@ -242,7 +275,7 @@ def check_sweep_args(args: argparse.Namespace) -> None:
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.budget is not None and not 0 < args.budget <= 1:
-        raise ValueError(f"--budget is a fraction of the context in (0, 1], got {args.budget}")
+        raise ValueError(f"--kv-budget is a fraction of the context in (0, 1], got {args.budget}")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb}")
     if args.gpu_memory_gb is not None and torch.device(args.device).type != "cuda":
@@ -370,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m herald.bench.throughput",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_arguments(p)
     return p

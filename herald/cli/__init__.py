@@ -6,6 +6,7 @@ CPU. ``herald serve`` runs the OpenAI-compatible HTTP server (:mod:`herald.serve
 ``herald eval`` measures long-context accuracy (:mod:`herald.eval`), ``herald train`` trains the
 small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decode throughput
 (:mod:`herald.bench.throughput`), ``herald init-random`` writes a random-weight checkpoint.
+Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
 """
 
 from __future__ import annotations
@@ -15,26 +16,34 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
+from herald import __version__
 from herald.cli import generate, serve
 from herald.cli.common import DEFAULT_MODEL, parse_dtype
+from herald.cliargs import use_help_formatter
 
 __all__ = ["DEFAULT_MODEL", "build_parser", "main"]
 
+DESCRIPTION = """herald serves block diffusion LLMs (SDAR, LLaDA2-MoE). Without --model, generate
+and serve run the embedded code model (checkpoints/code-sdar). herald COMMAND --help lists a
+command's options with their defaults; an option that takes several values takes them
+separated by spaces or commas."""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="herald", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="herald", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"herald {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = generate.register(sub)
     s = serve.register(sub)
     r = sub.add_parser(
         "init-random", help="write a random-weight checkpoint (HF format) for a preset"
     )
-    r.add_argument("--preset", required=True)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16)
+    r.add_argument("--preset", required=True, help="preset name: " + ", ".join(_preset_names()))
+    r.add_argument(
+        "--out", type=Path, required=True, help="directory to write (must not hold a checkpoint)"
+    )
+    r.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    r.add_argument("--dtype", type=parse_dtype, default="bf16", help="dtype of the written tensors")
     r.set_defaults(handler=cmd_init_random)
     for p in (g, s, r):
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -46,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     register_eval(sub)
     throughput.register(sub)
     register_train(sub)
+    use_help_formatter(parser)
     return parser
+
+
+def _preset_names() -> list[str]:
+    from herald.models.registry import list_presets
+
+    return list(list_presets())
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:

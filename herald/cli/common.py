@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -69,7 +70,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="diffusion block size B (default: from config.json or the architecture)",
     )
-    p.add_argument("--mask-token-id", type=int, default=None, help="override the mask token id")
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="the mask token id (default: from config.json or the architecture)",
+    )
 
 
 def add_kv_pad(p: argparse.ArgumentParser) -> None:
@@ -103,8 +109,27 @@ def refuse_offload_flags(args: argparse.Namespace, dests: tuple[str, ...]) -> No
         )
 
 
+def memory_gib() -> tuple[float, float] | None:
+    """(available, total) memory of this machine in GiB (``/proc/meminfo``'s MemAvailable and
+    MemTotal, else the free and total physical pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: v.split() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return int(info["MemAvailable"][0]) / 2**20, int(info["MemTotal"][0]) / 2**20
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        free, total = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return free * page / 2**30, total * page / 2**30
+
+
 def check_pool_flags(args: argparse.Namespace) -> None:
-    """The CPU pool size flags, before the model loads (pages need its geometry: later)."""
+    """The CPU pool size flags, before the model loads (pages need its geometry: later); a
+    ``--cpu-kv-gb`` above the machine's available memory is refused here, not by the
+    allocator."""
     gb, tokens = args.cpu_kv_gb, args.cpu_kv_tokens
     if gb is not None and not (math.isfinite(gb) and gb > 0):
         raise ValueError(f"--cpu-kv-gb must be a finite positive number (GiB), got {gb:g}")
@@ -112,6 +137,13 @@ def check_pool_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--cpu-kv-tokens must be >= 1, got {tokens}")
     if gb is not None and tokens is not None:
         raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
+    memory = memory_gib() if gb is not None else None
+    if memory is not None and gb > memory[0]:
+        raise ValueError(
+            f"--cpu-kv-gb {gb:g} is more than this machine's available memory: "
+            f"{memory[0]:.1f} GiB available of {memory[1]:.1f} GiB (and the pool shares it "
+            "with the model)"
+        )
 
 
 def model_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:

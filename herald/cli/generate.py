@@ -32,28 +32,38 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate at most (EOS ends sooner)",
+    )
     add_kv_pad(g)
     g.add_argument(
         "--threshold",
         type=float,
         default=0.95,
-        help="accept masked positions with confidence > threshold (default 0.95)",
+        help="accept masked positions whose confidence is above this, at least one per step",
     )
     g.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="fixed-steps mode: T denoising steps per block (overrides --threshold)",
+        help="fixed-steps mode: T denoising steps per block (overrides --threshold; default: "
+        "threshold mode)",
     )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: all"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the smallest set of probability p"
+    )
     g.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
-        help="keep only the last N prompt tokens (long files)",
+        help="keep only the last N prompt tokens (long files; default: the whole prompt)",
     )
     g.add_argument("--ignore-eos", action="store_true", help="decode past EOS")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -83,7 +93,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "--cpu-kv-tokens",
         type=int,
         default=None,
-        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb; default: "
+        "what this request needs)",
     )
     g.add_argument(
         "--selection-device",

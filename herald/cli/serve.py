@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import TYPE_CHECKING
 
 from herald.cli.common import (
     add_kv_pad,
@@ -17,6 +19,10 @@ from herald.cli.common import (
 )
 from herald.config import check_kv_pad, resolve_device
 from herald.engines import MODES
+from herald.server.defaults import DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from herald.server.defaults import FrontLimits
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
 
@@ -27,11 +33,18 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (dense or an offloading mode)")
     add_model_source_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000)
-    for flag, name in (("--max-batch-size", "max_batch_size"), ("--max-seq-len", "max_seq_len")):
+    s.add_argument("--host", default=DEFAULT_HOST, help="bind address (0.0.0.0: every interface)")
+    s.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="TCP port (0: one the system picks)"
+    )
+    # The second name of each is vLLM's for the same setting.
+    for flags, name in (
+        (("--max-batch-size", "--max-num-seqs"), "max_batch_size"),
+        (("--max-seq-len", "--max-model-len"), "max_seq_len"),
+    ):
         s.add_argument(
-            flag,
+            *flags,
+            dest=name,
             type=int,
             default=getattr(D, name),
             help=engine_help(name) + " (default: %(default)s)",
@@ -73,19 +86,62 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         help=engine_help("max_prefill_tokens").split(" None:")[0] + " (default: %(default)s)",
     )
     add_kv_pad(s)
+    _add_front_args(s)
     s.set_defaults(handler=cmd_serve)
     return s
+
+
+_FRONT_FLAGS = {
+    "header_timeout_s": "--header-timeout-s",
+    "body_timeout_s": "--body-timeout-s",
+    "keep_alive_timeout_s": "--keep-alive-timeout-s",
+}
+""":class:`FrontLimits` field -> ``herald serve`` flag (besides ``--max-body-mb``)."""
+
+
+def _add_front_args(s: argparse.ArgumentParser) -> None:
+    from herald.config import field_help
+    from herald.server.defaults import FRONT_DEFAULTS, FrontLimits
+
+    g = s.add_argument_group("HTTP limits", "what a client may send, and how slowly")
+    for name, flag in _FRONT_FLAGS.items():
+        help_text = field_help(FrontLimits, name, default=False)
+        g.add_argument(flag, type=float, default=getattr(FRONT_DEFAULTS, name), help=help_text)
+    g.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=FRONT_DEFAULTS.max_body_bytes / 2**20,
+        help="largest request body in MiB (413 above it), checked from Content-Length before "
+        "the body is read and counted while a chunked body is read",
+    )
+
+
+def front_limits(args: argparse.Namespace) -> FrontLimits:
+    """The :class:`FrontLimits` of the flags; ValueError naming the flag that is out of range."""
+    from herald.server.defaults import FrontLimits
+
+    for name, flag in _FRONT_FLAGS.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a finite number of seconds > 0, got {value:g}")
+    mb = args.max_body_mb
+    if not (math.isfinite(mb) and mb * 2**20 >= 1):
+        raise ValueError(f"--max-body-mb must be a finite positive size in MiB, got {mb:g}")
+    return FrontLimits(
+        **{name: getattr(args, name) for name in _FRONT_FLAGS}, max_body_bytes=int(mb * 2**20)
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset
     from herald.server.defaults import SERVE_DEFAULTS
-    from herald.server.launch import build_app, serve
+    from herald.server.launch import build_app, reserve_port, serve
 
     device = resolve_device(args.device)
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_kv_pad(args.kv_pad, "--kv-pad")
+    limits = front_limits(args)
     offload = None
     if args.mode == "dense":
         refuse_offload_flags(args, _POOL_FLAGS)
@@ -105,13 +161,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_pad=args.kv_pad,
         offload=offload,
     )
+    sock = reserve_port(args.host, args.port)  # a port in use is found before the model loads
     try:
-        app = build_app(
-            args.model, engine, device=device, dtype=dtype, api_key=args.api_key, seed=args.seed
-        )
-    except ValueError as e:
-        raise pool_error(args, e) from None
-    if is_preset(args.model):
-        print(f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr)
-    serve(app, host=args.host, port=args.port)
+        try:
+            app = build_app(
+                args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
+                seed=args.seed, limits=limits,
+            )  # fmt: skip
+        except ValueError as e:
+            raise pool_error(args, e) from None
+        if is_preset(args.model):
+            print(
+                f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr
+            )
+        serve(app, sock=sock, limits=limits)
+    finally:
+        sock.close()
     return 0

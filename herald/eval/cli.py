@@ -8,7 +8,7 @@ runs the units in priority order and writes, under ``--out``:
   config, machine, command, date);
 - ``results.json``, ``README.md``, plots: the merged report (:mod:`herald.eval.report`).
 
-Work can be split (``--part K/N`` takes every N-th unit) and bounded (``--time-limit``: no unit is
+Work can be split (``--part K/N`` takes every N-th unit) and bounded (``--time-limit-s``: no unit is
 started that would not finish in time, judged by the slowest unit so far); finished units are
 skipped on a rerun with the same ``--out``, so rerunning continues. ``--report`` only rewrites
 the report from the results already under ``--out`` (parts copied into sub-folders merge).
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from herald.cliargs import add_list, deprecated_alias
 from herald.config import resolve_device
 from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
@@ -61,32 +62,30 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--report", action="store_true", help="only rewrite the report from --out")
-    p.add_argument(
-        "--task", nargs="+", choices=TASKS, default=list(TASKS), help="tasks (default: both)"
-    )
-    p.add_argument(
+    add_list(p, "--task", choices=TASKS, default=list(TASKS), help="tasks, several allowed")
+    add_list(
+        p,
         "--contexts",
-        nargs="+",
-        type=int,
+        kind=int,
+        metavar="TOKENS",
         default=[4096, 8192, 16384],
-        help="context lengths in tokens (default: 4096 8192 16384)",
+        help="context lengths in tokens",
     )
-    p.add_argument(
+    add_list(
+        p,
         "--modes",
-        nargs="+",
         choices=[m for m in MODES if m != "control"],
         default=["dense", "mage", "infinigen", "herald"],
-        help="methods, space-separated (default: dense mage infinigen herald; the no-context "
-        "control runs unless --no-control)",
+        help="methods (the no-context control runs too, unless --no-control)",
     )
-    p.add_argument(
-        "--budgets",
-        nargs="+",
-        type=float,
+    add_list(
+        p,
+        "--kv-budget",
+        dest="budgets",
+        metavar="KV_BUDGET",
+        kind=float,
         default=list(DEFAULT_BUDGETS),
-        help="selection budgets, fractions of the context (default: "
-        + " ".join(f"{b:g}" for b in DEFAULT_BUDGETS)
-        + ")",
+        help="KV budgets of the offloading modes, fractions of the context, several allowed",
     )
     p.add_argument(
         "-n", "--num-examples", type=int, default=64, help="examples per task/context (default: 64)"
@@ -142,9 +141,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--analysis-blocks", type=int, default=4, help="blocks decoded per example")
     p.add_argument("--oracle-budget", type=float, default=0.025, help="oracle k as a budget")
     p.add_argument("--part", type=_part, default=(1, 1), help="run every N-th unit from K: K/N")
-    p.add_argument("--time-limit", type=float, default=None, help="seconds; then stop cleanly")
+    p.add_argument(
+        "--time-limit-s",
+        dest="time_limit",
+        metavar="SECONDS",
+        type=float,
+        default=None,
+        help="start no unit that would end after this many seconds (default: no limit)",
+    )
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    deprecated_alias(p, "--budgets", "--kv-budget")
+    deprecated_alias(p, "--time-limit", "--time-limit-s")
     p.set_defaults(handler=cmd_eval)
     return p
 

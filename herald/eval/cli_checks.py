@@ -36,14 +36,14 @@ def check_args(args: argparse.Namespace) -> None:
         n = args.analysis_examples
         raise ValueError(f"--analysis-examples must be >= 0 (0 = off), got {n}")
     if args.time_limit is not None and not args.time_limit > 0:
-        raise ValueError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+        raise ValueError(f"--time-limit-s must be > 0 seconds, got {args.time_limit}")
     for flag, values in (
-        ("--budgets", args.budgets),
+        ("--kv-budget", args.budgets),
         ("--threshold", [args.threshold]),
         ("--oracle-budget", [args.oracle_budget]),
     ):
         if any(not 0.0 < v <= 1.0 for v in values):  # also refuses nan
-            shown = values if flag == "--budgets" else values[0]
+            shown = values if flag == "--kv-budget" else values[0]
             raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
     if any(c <= args.control_tokens for c in args.contexts):
         raise ValueError(

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from herald.config import field_help
 from herald.train.config import SHAPE_FLAGS, ModelDims, TrainConfig, flag
 from herald.train.corpus import DATA_ORDERS
 
@@ -68,12 +69,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--total-steps", type=int, default=None, help="cosine horizon (default: fit the budget)"
     )
-    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many steps (default: none)"
+    )
     p.add_argument(
         "--max-minutes", type=float, default=d.max_minutes, help="wall budget of the command"
     )
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clip")
     p.add_argument("--loss-weighting", choices=["mean", "elbo"], default=d.loss_weighting)
     p.add_argument(
         "--long-range-weight",
@@ -132,6 +135,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workers", type=int, default=d.workers, help="scan processes (0 = all)")
     p.add_argument("--val-windows", type=int, default=d.val_windows)
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    for action in p._actions:  # the rest: TrainConfig's attribute docstrings
+        if action.help is None:
+            action.help = field_help(TrainConfig, action.dest, default=False)
     p.set_defaults(handler=cmd_train)
 
 

@@ -40,11 +40,11 @@ python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", 
 "cuda", torch.cuda.is_available()); import importlib.util as u;
 print("matplotlib", "yes" if u.find_spec("matplotlib") else "no (no plots; --report redraws)")'
 
-args=(--model "$CKPT" --out "$DEST" -n "${N:-64}" --time-limit "${TIME_LIMIT:-480}"
+args=(--model "$CKPT" --out "$DEST" -n "${N:-64}" --time-limit-s "${TIME_LIMIT:-480}"
       --analysis-examples "${ANALYSIS:-8}")
 case "$PART" in
-  smoke)      args=(--model "$CKPT" --out "$DEST" -n 4 --contexts 4096 --budgets 0.05
-                    --analysis-examples 2 --time-limit 300) ;;
+  smoke)      args=(--model "$CKPT" --out "$DEST" -n 4 --contexts 4096 --kv-budget 0.05
+                    --analysis-examples 2 --time-limit-s 300) ;;
   4k)         args+=(--contexts 4096) ;;
   8k)         args+=(--contexts 8192) ;;
   16k-line)   args+=(--contexts 16384 --task line) ;;

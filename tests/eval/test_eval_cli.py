@@ -8,7 +8,7 @@ from herald.cli import main
 
 ARGS = [
     "eval", "--model", "tiny-sdar", "--device", "cpu", "--task", "line", "--contexts", "256",
-    "--modes", "dense", "herald", "--budgets", "1.0", "-n", "2", "--steps", "2",
+    "--modes", "dense", "herald", "--kv-budget", "1.0", "-n", "2", "--steps", "2",
     "--control-tokens", "64", "--infile-tokens", "64", "--analysis-examples", "1",
     "--analysis-blocks", "2", "--selection-threads", "2", "--no-control",
 ]  # fmt: skip
@@ -53,8 +53,8 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
 
 
 def test_eval_user_errors(tmp_path, capsys):
-    assert main(["eval", "--out", str(tmp_path), "--budgets", "0"]) == 2
-    assert "--budgets" in capsys.readouterr().err
+    assert main(["eval", "--out", str(tmp_path), "--kv-budget", "0"]) == 2
+    assert "--kv-budget" in capsys.readouterr().err
     assert (
         main(["eval", "--out", str(tmp_path), "--contexts", "1024", "--control-tokens", "64"]) == 2
     )
@@ -74,7 +74,7 @@ def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
         ["--selection-threads", "0"],
         ["--threshold", "2"],
         ["--steps", "0"],
-        ["--time-limit", "-1"],
+        ["--time-limit-s", "-1"],
         ["--analysis-examples", "-1"],
     ]
     for extra in bad:

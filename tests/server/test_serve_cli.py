@@ -1,7 +1,16 @@
-"""``herald serve`` argument errors: one ``error:`` line, exit 2, before any model loads."""
+"""``herald serve`` argument errors: one ``error:`` line, exit 2, before any model loads; the
+ready banner of the real command."""
 
 from __future__ import annotations
 
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import httpx
 import pytest
 
 from herald.cli import main
@@ -24,3 +33,83 @@ def test_serve_user_errors(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def _no_model(monkeypatch):
+    from herald.server import launch
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(launch, "build_app", no_build)
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--header-timeout-s", "0"], "--header-timeout-s"),
+        (["--body-timeout-s", "nan"], "--body-timeout-s"),
+        (["--keep-alive-timeout-s", "-1"], "--keep-alive-timeout-s"),
+        (["--max-body-mb", "0"], "--max-body-mb"),
+        (["--port", "-1"], "--port"),
+    ],
+)
+def test_front_flags_are_checked_before_the_model_loads(flags, needle, monkeypatch, capsys):
+    _no_model(monkeypatch)
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(monkeypatch, capsys):
+    _no_model(monkeypatch)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0] and "--port" in err[0]
+
+
+def test_cpu_pool_larger_than_memory_is_refused_before_the_model_loads(monkeypatch, capsys):
+    from herald.cli import common
+
+    _no_model(monkeypatch)
+    monkeypatch.setattr(common, "memory_gib", lambda: (3.0, 4.0))
+    assert main(["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-gb", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cpu-kv-gb 5 is more than this machine's available memory" in err[0]
+    assert "3.0 GiB available of 4.0 GiB" in err[0]
+    # and without the stand-in, on this machine: a petabyte does not fit
+    monkeypatch.undo()
+    _no_model(monkeypatch)
+    assert main(["generate", "--prompt", "x", "--mode", "herald", "--cpu-kv-gb", "1e6"]) == 2
+    assert "available memory" in capsys.readouterr().err
+
+
+def test_serve_prints_a_banner_when_ready_and_serves():
+    """The real command in a process of its own: the banner names the model, mode, address and
+    limits once the server accepts requests (waited for by reading its stderr, not by time)."""
+    argv = [sys.executable, "-m", "herald", "serve", "--model", "tiny-sdar", "--device", "cpu"]
+    argv += ["--port", "0", "--max-batch-size", "2", "--max-model-len", "512"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=180)
+            if line.startswith("herald serve ready on "):
+                break
+        url = line.removeprefix("herald serve ready on ").split(": ", 1)[0]
+        for part in ("model tiny-sdar", "mode dense", "max batch size 2", "max seq len 512"):
+            assert part in line, line
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,150 @@
+"""Argument-parser pieces every ``herald`` subcommand shares.
+
+- :class:`HelpFormatter`: plain-text help (reST roles and double backquotes reduced to their
+  text) with each option's default shown;
+- :func:`add_list`: an option that takes several values, given with spaces, commas or both;
+- :func:`deprecated_alias`: an old option name kept, hidden, for one release; using it prints a
+  one-line warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`<]+?)(?:\s*<[^>]+>)?`")
+
+
+def plain(text: str) -> str:
+    """``text`` with reST markup reduced to plain text: ``:func:`~a.b``` -> ``b``,
+    ``:mod:`a.b``` -> ``a.b``, double backquotes dropped."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), text)
+    return text.replace("``", "")
+
+
+def show_default(value: Any) -> str:
+    """How a default reads in help: lists space-separated, dtypes by their short name."""
+    if isinstance(value, list | tuple):
+        return " ".join(show_default(v) for v in value)
+    if isinstance(value, Path):
+        return str(value)
+    name = str(value)
+    return name.removeprefix("torch.") if name.startswith("torch.") else name
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions kept as written (paragraphs, examples) but in plain text; every option's
+    help ends with its default unless the help already states it (or there is none to state:
+    None, False, a flag)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" not in text.strip():  # one paragraph written as one line: wrap it
+            return argparse.HelpFormatter._fill_text(self, text, width, indent)
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain(action.help or "")
+        default = action.default
+        shown = (
+            action.option_strings
+            and "default" not in text.lower()
+            and not (default is None or default is False or default is argparse.SUPPRESS)
+            and default != []
+            and action.nargs != 0
+        )
+        if shown:
+            text += f" (default: {show_default(default)})".replace("%", "%%")
+        return text
+
+
+def use_help_formatter(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` and every subcommand parser under it :class:`HelpFormatter`."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                use_help_formatter(sub)
+
+
+def list_of(kind: Callable[[str], Any], choices: Iterable[Any] | None = None) -> Any:
+    """An argparse ``type``: one argument, split at commas, each part converted by ``kind`` (and
+    checked against ``choices``)."""
+    allowed = list(choices) if choices is not None else None
+
+    def parse(text: str) -> list[Any]:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+        for item in items:
+            if allowed is not None and item not in allowed:
+                shown = ", ".join(map(str, allowed))
+                raise argparse.ArgumentTypeError(f"invalid choice {item!r} (choose from {shown})")
+        return items
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+class _FlatList(argparse.Action):
+    """Stores the values of ``nargs="+"`` parts that are each a list, as one list."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: Any, option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        setattr(namespace, self.dest, [x for part in values for x in part])
+
+
+def add_list(
+    parser: Any,
+    *flags: str,
+    kind: Callable[[str], Any] = str,
+    choices: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> argparse.Action:
+    """Add an option taking one or more values: ``--x 1 2``, ``--x 1,2`` and ``--x 1, 2`` all
+    give ``[1, 2]``. ``parser`` may be an argument group."""
+    metavar = kwargs.pop("metavar", None) or (
+        "{" + ",".join(map(str, choices)) + "}" if choices is not None else None
+    )
+    return parser.add_argument(  # type: ignore[no-any-return]
+        *flags, type=list_of(kind, choices), nargs="+", action=_FlatList, metavar=metavar,
+        **kwargs,
+    )  # fmt: skip
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept option ``old`` as ``new`` (same values, same destination), hidden from the help;
+    each use prints ``warning: OLD is deprecated, use NEW`` to stderr."""
+    target = parser._option_string_actions[new]
+
+    def call(
+        self: argparse.Action, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: Any, option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        print(
+            f"warning: {old} is deprecated and will be removed; use {new}",
+            file=sys.stderr,
+        )
+        target(parser, namespace, values, new)
+
+    action = type("DeprecatedAlias", (argparse.Action,), {"__call__": call})
+    kwargs: dict[str, Any] = {"type": target.type} if target.type is not None else {}
+    parser.add_argument(
+        old,
+        action=action,
+        dest=target.dest,
+        nargs=target.nargs,
+        choices=target.choices,
+        metavar=target.metavar,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
