@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import threading
 import time
@@ -25,18 +24,11 @@ from typing import Any
 
 import httpx
 import torch
-import uvicorn
 
 from herald.config import OffloadConfig
 from herald.engines import MODES
 from herald.server.defaults import SERVE_DEFAULTS
-from herald.server.launch import build_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from herald.server.launch import bound_url, build_app, make_server, reserve_port
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -104,22 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting=max(64, args.requests),
         offload=offload,
     )
+    sock = reserve_port("127.0.0.1", 0)  # as herald serve: bound first, a port nobody holds
     app = build_app(args.model, engine, device=args.device, dtype=dtype)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    server = make_server(app, sock, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     t_start = time.monotonic()
     while not server.started:
-        if time.monotonic() - t_start > 60 or not thread.is_alive():
+        if time.monotonic() - t_start > args.deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.05)
     load_avg = os.getloadavg()[0]  # the machine is shared: other work skews the numbers
     try:
-        results, wall = asyncio.run(_load(f"http://127.0.0.1:{port}", args))
+        results, wall = asyncio.run(_load(bound_url(sock), args))
     finally:
         server.should_exit = True
-        thread.join(timeout=15)
+        thread.join(timeout=60)
     lat = [r["latency"] for r in results]
     ttfb = [r["ttfb"] for r in results]
     tokens = sum(int(r["tokens"]) for r in results)
