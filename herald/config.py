@@ -23,6 +23,8 @@ MIN_TEMPERATURE = 1e-4
 """Positive temperatures below this sample as this one (float32 logits / less overflow)."""
 MAX_DENOISE_STEPS = 4096
 """Largest fixed-steps T accepted (a block of B positions never needs more than B)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token that ``SamplingParams.top_logprobs`` may ask for."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,24 @@ class SamplingParams:
     """Seed for sampling (temperature > 0), in [-2**63, 2**64) (torch.Generator's range); each
     request owns its generator, so its output does not depend on what else is in the batch."""
     ignore_eos: bool = False
-    """Keep decoding past EOS until max_new_tokens (throughput runs)."""
+    """Keep decoding past EOS until max_new_tokens (throughput runs); ``stop_token_ids`` still
+    stop."""
+    min_tokens: int = 0
+    """EOS and ``stop_token_ids`` among the first ``min_tokens`` output tokens do not finish the
+    request: they stay in the output like any other token (they are not suppressed at
+    sampling). At most ``max_new_tokens``."""
+    stop_token_ids: tuple[int, ...] = ()
+    """More token ids that finish the request as EOS does (``finish_reason`` "stop"; the token
+    itself is not in the output), also with ``ignore_eos``. A list is taken as a tuple."""
+    top_logprobs: int = 0
+    """Also record, for each output token, the N most likely (token id, logprob) alternatives
+    at the denoising step that accepted it (``Request.output_top_logprobs``), from the same
+    distribution as the token's own logprob; 0..``MAX_TOP_LOGPROBS``, 0 = off. The token's own
+    logprob (``Request.output_logprobs``) is always recorded."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self) -> None:
         for name in ("temperature", "top_p", "threshold"):
@@ -75,6 +94,18 @@ class SamplingParams:
         steps = self.num_denoise_steps
         if steps is not None and not 0 < steps <= MAX_DENOISE_STEPS:
             raise ValueError(f"num_denoise_steps must be in [1, {MAX_DENOISE_STEPS}], got {steps}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or any(type(t) is not int or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +131,7 @@ OFFLOAD_MODES: dict[str, OffloadMode] = {
             selection_queries="representative",
             lookahead="draft",
             kv_budget=0.05,
+            output_mode="selected",
         ),
     ),
     "mage": OffloadMode(
@@ -115,7 +147,8 @@ OFFLOAD_MODES: dict[str, OffloadMode] = {
 }
 """The offloading modes by name (each has a policy of that name in
 :data:`herald.offload.policies.POLICIES`): ``herald`` (CPU, representative query, draft
-lookahead, 5%), ``mage`` (block queries at step 0, no lookahead, 2.5%, GPU selection),
+lookahead, 5%, ``selected`` kernel output), ``mage`` (block queries at step 0, no lookahead, 2.5%,
+GPU selection),
 ``infinigen`` (proxy channels at step 0, 20%). A new mode is one entry here and one policy."""
 
 MODE_OF_QUERIES = {spec.queries: name for name, spec in OFFLOAD_MODES.items()}
@@ -145,7 +178,9 @@ class OffloadConfig:
     """k = min(ceil(kv_budget x prefix), prefix - last block) selected entries per KV head per
     layer, plus the last completed block (always kept). 1.0 keeps everything."""
     output_mode: str = "full"
-    """CPU kernel output: "full" (exact attention over the prefix) or "selected"."""
+    """CPU kernel output: "full" (exact attention over the whole prefix: the paper's, reads K and
+    V) or "selected" (attention over the selected rows and the tail, what the sparse pool then
+    attends to; reads K, and V only at those rows). The herald preset uses "selected"."""
     num_dense_layers: int = 2
     """The first layers keep their full KV on the GPU and attend exactly (HERALD §IV-B1)."""
     cpu_kv_gb: float | None = None

@@ -32,10 +32,19 @@ class RequestStatus(enum.Enum):
 class Request:
     """A prompt plus its decoding state.
 
-    ``output_ids`` are the generated tokens (the prompt is not included; a stopping EOS is not
-    included either). ``steps_per_block`` records the denoising steps each completed block took.
-    A request stays ``WAITING`` while it is prefilled and becomes ``RUNNING`` when it joins the
-    decode batch.
+    ``output_ids`` are the generated tokens (the prompt is not included; a stopping EOS or stop
+    token is not included either). ``output_logprobs[j]`` is the natural log of the sampler's
+    probability of ``output_ids[j]`` at the denoising step that accepted it (the log of its
+    confidence, :mod:`herald.diffusion.sampler`: under temperature / top-k / top-p the tempered,
+    filtered distribution it was drawn from). In a block diffusion LM that is the token's
+    probability given the prefix and whatever of its block was already unmasked at that step,
+    not a left-to-right likelihood. ``output_top_logprobs[j]`` (only when
+    ``params.top_logprobs`` > 0, else empty) holds the most likely (token id, logprob) pairs of
+    that same distribution at that step, most likely first, at most ``top_logprobs`` of them
+    (tokens of probability 0 are left out). The three lists grow and are cut together.
+    ``stop_token_id`` is the EOS or stop token that finished the request (None otherwise).
+    ``steps_per_block`` records the denoising steps each completed block took. A request stays
+    ``WAITING`` while it is prefilled and becomes ``RUNNING`` when it joins the decode batch.
     """
 
     prompt_ids: list[int]
@@ -44,6 +53,9 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stop_token_id: int | None = None
     steps_per_block: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     # Decode position: absolute start of the current block; KV of [0, block_start) is committed.
@@ -72,6 +84,10 @@ class Request:
     @property
     def num_denoise_steps(self) -> int:
         return sum(self.steps_per_block)
+
+    def truncate_output(self, n: int) -> None:
+        """Keep the first ``n`` output tokens (and their logprobs)."""
+        del self.output_ids[n:], self.output_logprobs[n:], self.output_top_logprobs[n:]
 
     def reaches_length(self, pending: int = 0) -> bool:
         """True when the current block is the request's last by length: ``output_ids`` plus
