@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.05)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
+    ap.add_argument(
+        "--output-mode", choices=["full", "selected"], help="default: the herald preset's"
+    )
     ap.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (smoke run)")
     ap.add_argument(
         "--cuda-graph",
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     seq = args.context + args.new_tokens
     mem = torch.cuda.memory_allocated if cuda else (lambda: 0)
     base = mem()
-    cfg = OffloadConfig.for_mode("herald", kv_budget=args.budget, output_mode=args.output_mode)
+    chosen = {"output_mode": args.output_mode} if args.output_mode else {}
+    cfg = OffloadConfig.for_mode("herald", kv_budget=args.budget, **chosen)
     t0 = time.perf_counter()
     ecfg = EngineConfig(
         max_batch_size=args.batch, max_seq_len=seq, use_cuda_graph=args.cuda_graph, offload=cfg
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
         "batch": args.batch,
         "kv_budget": args.budget,
-        "output_mode": args.output_mode,
+        "output_mode": cfg.output_mode,
         "cuda_graph": args.cuda_graph,
         "num_denoise_steps": args.steps,
         "block_size": b,

@@ -24,8 +24,9 @@ from herald.offload.engine import OffloadEngine
 
 
 def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path) -> dict:
+    chosen = {"output_mode": args.output_mode} if args.output_mode else {}
     cfg = OffloadConfig.for_mode(
-        args.mode, kv_budget=args.budget, output_mode=args.output_mode, selection_threads=threads
+        args.mode, kv_budget=args.budget, selection_threads=threads, **chosen
     )
     seq = args.context + args.blocks * config.block_size
     t0 = time.perf_counter()
@@ -107,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.05)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--output-mode", default="full", choices=["full", "selected"])
+    ap.add_argument(
+        "--output-mode", choices=["full", "selected"], help="default: the mode's preset"
+    )
     ap.add_argument("--threads", default="", help="comma-separated selection thread counts")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--no-profile", action="store_true")

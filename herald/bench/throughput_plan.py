@@ -68,7 +68,8 @@ VARIANTS = {
     v.name: v
     for v in (
         Variant("dense", "Dense", "dense"),
-        Variant("herald", "HERALD", "herald", default_budget=0.05),
+        # the paper's kernel output, pinned: the herald preset's default is "selected"
+        Variant("herald", "HERALD", "herald", (("output_mode", "full"),), 0.05),
         Variant(
             "herald-selected",
             "HERALD, `selected` kernel output",

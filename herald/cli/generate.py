@@ -118,7 +118,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         choices=["full", "selected"],
         default=None,
         help="CPU selection kernel output (--mode herald, and mage with --selection-device "
-        "cpu): full = exact attention over the prefix (default) or selected",
+        "cpu): selected = attention over the selected rows (herald's default; reads K and only "
+        "the selected V) or full = exact attention over the prefix (the paper's; mage's default)",
     )
     g.set_defaults(handler=cmd_generate)
     return g

@@ -13,11 +13,14 @@ from herald.offload.selection.ref import select_topk_torch
 
 PRESETS = ["tiny-sdar", "tiny-llada2"]
 MODES = {
-    "herald": OffloadConfig.for_mode("herald", kv_budget=1.0, selection_threads=2),
-    "herald-selected": OffloadConfig.for_mode(
-        "herald", kv_budget=1.0, output_mode="selected", selection_threads=2
+    "herald": OffloadConfig.for_mode("herald", kv_budget=1.0, selection_threads=2),  # selected
+    "herald-full": OffloadConfig.for_mode(
+        "herald", kv_budget=1.0, output_mode="full", selection_threads=2
     ),
     "rep-no-lookahead": OffloadConfig(lookahead="off", kv_budget=1.0, selection_threads=2),
+    "rep-no-lookahead-selected": OffloadConfig.for_mode(
+        "herald", lookahead="off", kv_budget=1.0, selection_threads=2
+    ),
     "mage-gpu": OffloadConfig.for_mode("mage", kv_budget=1.0),
     # "selected": step 0's output is attention over the selected rows in the model's arithmetic
     # (exact at budget 1.0); "full" uses the kernel's float32 output, equal only up to rounding.
@@ -131,6 +134,12 @@ def test_request_larger_than_cpu_pool_is_refused_before_work():
     eng.close()
 
 
+def test_herald_preset_selects_with_the_selected_kernel_output():
+    assert OffloadConfig.for_mode("herald").output_mode == "selected"
+    assert OffloadConfig.for_mode("herald", output_mode="full").output_mode == "full"
+    assert OffloadConfig.for_mode("mage", selection_device="cpu").output_mode == "full"
+
+
 def test_offload_config_validation():
     with pytest.raises(ValueError, match="lookahead"):
         OffloadConfig(selection_queries="block", lookahead="draft").validate()
@@ -152,7 +161,7 @@ def test_budget_one_equals_dense_on_gpu(preset):
     # lockstep, so its batch's longest key length differs from the offload engine's.
     dense = make_engine(model, config, None, max_batch_size=4, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
-    for mode in ("herald", "mage-gpu", "mage-cpu", "infinigen"):
+    for mode in ("herald", "herald-full", "mage-gpu", "mage-cpu", "infinigen"):
         eng = make_engine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
         got = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()
