@@ -147,9 +147,9 @@ OFFLOAD_MODES: dict[str, OffloadMode] = {
 }
 """The offloading modes by name (each has a policy of that name in
 :data:`herald.offload.policies.POLICIES`): ``herald`` (CPU, representative query, draft
-lookahead, 5%, ``selected`` kernel output), ``mage`` (block queries at step 0, no lookahead, 2.5%,
-GPU selection),
-``infinigen`` (proxy channels at step 0, 20%). A new mode is one entry here and one policy."""
+lookahead, 5%, ``selected`` kernel output), ``mage`` (block queries at step 0, no lookahead,
+2.5%, GPU selection), ``infinigen`` (proxy channels at step 0, 20%). A new mode is one entry here
+and one policy."""
 
 MODE_OF_QUERIES = {spec.queries: name for name, spec in OFFLOAD_MODES.items()}
 """Offloading mode of each ``OffloadConfig.selection_queries`` value."""
