@@ -107,19 +107,14 @@ def select_topk(
             position.
         tail_lens: [n_req] int32 in [0, S], or None (all 0). The last ``tail_lens[r]`` positions
             ``[S - tail, S)`` are the always-included tail (HERALD's draft lookahead: block n's
-            draft KV appended after the committed prefix; the sparse pool always holds that
-            block): they are keys of the attention and of the softmax normalisation like any
-            position, but never compete for the budget and never appear in ``indices``.
+            draft KV after the committed prefix; the sparse pool holds it): keys of the attention
+            and of the softmax like any position, but never ranked nor in ``indices``.
         output_mode: ``"full"``: exact softmax attention over all S keys (reads K and V).
             ``"selected"``: softmax attention restricted to the selected rows plus the tail
             rows, i.e. what the sparse attention computes (reads K, and V only at those rows).
         return_importance: also return the importance vectors.
         num_threads: worker threads (default :func:`herald.env.selection_threads`).
-        gather_out: None, or a contiguous bf16 ``[2, n_req, num_kv_heads, k_max, head_dim]``
-            (typically pinned staging): the selected K and V rows are written there too, laid
-            out as :func:`gather_selected` writes them, by the thread that ranked each (request,
-            KV head), right after its top-k (no second pass over the items; non-temporal stores
-            on AVX-512). Rows past ``num_selected[r]`` are left untouched.
+        gather_out: None, or :func:`gather_selected`'s ``out``, filled by this call itself.
 
     Importance of position s for KV head h: ``sum_{q,g} exp(score[q,g,s] - m[q,g]) / l[q,g]`` over
     the n_q queries and the G query heads of the group, score = q.k * head_dim**-0.5, m and l the
@@ -158,10 +153,9 @@ def select_topk(
     tensors = dict(
         q=q.contiguous(), k_pages=k_pages, v_pages=v_pages, page_table=page_table.contiguous(),
         seq_lens=seq_lens.contiguous(), budget=budget_tokens.contiguous(),
+        **({"gather_out": gather_out} if gather_out is not None else {}),
     )  # fmt: skip
     tail = tail_lens.contiguous() if tail_lens is not None else None
-    if gather_out is not None:
-        tensors["gather_out"] = gather_out
     return _select_native(lib, sh, output_mode, n, tensors, return_importance, tail)
 
 
