@@ -55,7 +55,20 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         default=D.max_waiting,
         help=engine_help("max_waiting").replace("None: unbounded.", "") + " (default: %(default)s)",
     )
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 and /tokenize, /detokenize (default: "
+        "$HERALD_API_KEY, else no key)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model id /v1/models reports and requests may name; several: the first is "
+        "reported, each accepted (default: the model's name, a directory's last component)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     s.add_argument(
         "--mode",
@@ -166,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             app = build_app(
                 args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
-                seed=args.seed, limits=limits,
+                seed=args.seed, served_model_name=args.served_model_name, limits=limits,
             )  # fmt: skip
         except ValueError as e:
             raise pool_error(args, e) from None

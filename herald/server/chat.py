@@ -4,14 +4,16 @@ The template comes from the checkpoint directory: ``chat_template.jinja`` if pre
 ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}``
 entries, of which ``"default"`` is used). It is rendered with jinja2 in a sandbox with the
 variables Hugging Face chat templates expect: ``messages`` (``role`` / ``content`` dicts),
-``add_generation_prompt`` (True: cue the assistant's reply), ``bos_token`` / ``eos_token`` (from
-``tokenizer_config.json``), the ``raise_exception(msg)`` function (a template's own input check:
-HTTP 400) and a ``tojson`` filter that does not HTML-escape.
+``add_generation_prompt`` (True unless the request says otherwise: cue the assistant's reply),
+``bos_token`` / ``eos_token`` (from ``tokenizer_config.json``), the ``raise_exception(msg)``
+function (a template's own input check: HTTP 400) and a ``tojson`` filter that does not
+HTML-escape.
 
 Without a template (presets, checkpoints without one) a documented fallback is used: ChatML
 (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``) when
 the tokenizer has both ChatML markers as tokens (the SDAR / Qwen3 family), else one
-``"role: content"`` line per message and a final ``"assistant:"``.
+``"role: content"`` line per message and a final ``"assistant:"`` (the cue, left out without
+``add_generation_prompt``).
 
 The rendered text is encoded like any prompt: special-token text maps to its ids, except the
 mask token's text, which stays text (:meth:`herald.models.tokenizer.Tokenizer.encode`).
@@ -83,21 +85,25 @@ class ChatTemplate:
         chatml = has("<|im_start|>") is not None and has("<|im_end|>") is not None
         return cls(source, chatml=chatml, variables=variables)
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text; raises :class:`ChatTemplateError` when the template refuses."""
+    def render(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text, ending with the assistant's cue when ``add_generation_prompt``;
+        raises :class:`ChatTemplateError` when the template refuses."""
+        cue = add_generation_prompt
         if self._render is not None:
             try:
-                return self._render(
-                    messages=list(messages), add_generation_prompt=True, **self.variables
-                )
+                return self._render(messages=list(messages), add_generation_prompt=cue,
+                                    **self.variables)  # fmt: skip
             except ChatTemplateError:
                 raise
             except Exception as e:  # a template bug or an input it cannot handle
                 raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
         if self.chatml:
             turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-            return "".join(turns) + "<|im_start|>assistant\n"
-        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            return "".join(turns) + ("<|im_start|>assistant\n" if cue else "")
+        lines = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return lines + ("\nassistant:" if cue else "")
 
 
 def _pick(entry: object) -> str | None:

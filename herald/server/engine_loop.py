@@ -4,7 +4,9 @@ HTTP handlers never step the engine. They :meth:`EngineLoop.submit` a prompt, wh
 in the engine's scheduler at once (thread-safe; the scheduler alone decides admission, see
 :mod:`herald.engine.scheduler`), and read a :class:`Handle`'s asyncio queue, which the engine
 thread feeds through ``loop.call_soon_threadsafe``: one ``("tokens", ids)`` item per completed
-block, then ``("done", finish_reason)`` or ``("error", exception)``. :meth:`EngineLoop.cancel`
+block (preceded, for a handle submitted with ``scores=True``, by ``("logprobs", (logprobs,
+top_logprobs))`` for the same tokens: :func:`_scores`), then ``("done", finish_reason)`` or
+``("error", exception)``. :meth:`EngineLoop.cancel`
 aborts a request; the engine frees its slot and KV at its next block boundary.
 
 Refusals are synchronous: :meth:`submit` raises :class:`~herald.kv.manager.RequestTooLarge`
@@ -40,6 +42,15 @@ RATE_WINDOW_SECONDS = 10.0
 """Generated tokens/s on ``/metrics`` is measured over this trailing window."""
 
 
+def _scores(
+    req: Request, start: int, end: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The log-probabilities of ``req``'s output tokens ``[start, end)`` and, when it asked for
+    alternatives, the top ``(token id, logprob)`` pairs at each (else empty lists)."""
+    tops = req.output_top_logprobs[start:end] if req.params.top_logprobs > 0 else []
+    return req.output_logprobs[start:end], [list(t) for t in tops]
+
+
 class EngineDeadError(RuntimeError):
     """The engine failed ``max_step_failures`` steps in a row; nothing runs any more (HTTP 503)."""
 
@@ -52,6 +63,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already pushed
+    scores: bool = False  # also push each block's logprobs
 
     def _push(self, item: tuple[str, Any]) -> None:
         # RuntimeError: the event loop is closed, nobody is listening any more.
@@ -114,15 +126,21 @@ class EngineLoop:
         return self.engine.num_running
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        scores: bool = False,
     ) -> Handle:
-        """Queue a prompt in the engine. Raises RequestTooLarge / ValueError (never runnable
-        here), QueueFullError (queue full) or :class:`EngineDeadError`."""
+        """Queue a prompt in the engine; with ``scores`` its handle also gets the logprobs of
+        each block. Raises RequestTooLarge / ValueError (never runnable here), QueueFullError
+        (queue full) or :class:`EngineDeadError`."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine failed and stopped: {self.dead}")
         with self._lock:
             request = self.engine.add_request(prompt_ids, params)
-            handle = Handle(request, loop)
+            handle = Handle(request, loop, scores=scores)
             self._live.append(handle)
         self._wake.set()
         return handle
@@ -174,14 +192,16 @@ class EngineLoop:
         for h in live:
             req = h.request
             status = req.status
-            grown = req.output_ids[h.sent :]
-            if grown and status not in (
+            end = len(req.output_ids)
+            if end > h.sent and status not in (
                 RequestStatus.FINISHED_ABORTED,
                 RequestStatus.FINISHED_ERROR,
             ):
-                h._push(("tokens", list(grown)))
-                new_tokens += len(grown)
-            h.sent = len(req.output_ids)
+                if h.scores:
+                    h._push(("logprobs", _scores(req, h.sent, end)))
+                h._push(("tokens", req.output_ids[h.sent : end]))
+                new_tokens += end - h.sent
+            h.sent = end
             if status == RequestStatus.FINISHED_ERROR:
                 h._push(("error", req.error))
             elif status == RequestStatus.FINISHED_ABORTED:

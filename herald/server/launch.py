@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from fastapi import FastAPI
 
+from herald import env
 from herald.config import EngineConfig
 from herald.engines import build_engine
 from herald.models.loader import load_model
@@ -26,6 +28,7 @@ from herald.server.chat import ChatTemplate
 from herald.server.defaults import FRONT_DEFAULTS, SERVE_DEFAULTS, FrontLimits
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
+from herald.server.state import served_names
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +42,19 @@ def build_app(
     api_key: str | None = None,
     seed: int = 0,
     limits: FrontLimits = FRONT_DEFAULTS,
+    served_model_name: str | Sequence[str] | None = None,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
     models), behind the HTTP front's ``limits``. ``max_seq_len`` is capped at the model's
     context. The engine thread starts with the app's lifespan. Raises ValueError for bad
-    settings, before the model loads where it can.
+    settings, before the model loads where it can. The model id the server reports and accepts
+    is ``served_model_name`` (several: the first is reported, each accepted), else the model's
+    name (:func:`~herald.server.state.served_names`); the API key is ``api_key``, else
+    ``HERALD_API_KEY``, else none.
     """
+    names = served_names(model, served_model_name)
+    key = (api_key if api_key is not None else env.settings().api_key) or None
     engine.validate()
     limits.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
@@ -63,7 +72,7 @@ def build_app(
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
-    state = ServerState(loop, tokenizer, str(model), metrics, api_key, template)
+    state = ServerState(loop, tokenizer, names[0], metrics, key, template, aliases=names[1:])
     app = create_app(state)
     front.install(app, limits, lambda: state.api_key)
     return app

@@ -1,48 +1,61 @@
-"""OpenAI-compatible request bodies (pydantic) and the OpenAI error shape.
+"""OpenAI- and vLLM-compatible request bodies (pydantic).
 
-Validation lives here so that every bad field becomes a 400 with
-``{"error": {"message", "type", "param", "code"}}``. Unknown fields are ignored. Herald's
-extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps`` (fixed-steps
-mode: denoising steps per block), ``mode`` (one of :data:`MODES`; the server runs one, chosen at
-launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in (0, 1]: the
-fraction of the prefix each block attends to; fixed at launch, so it must equal the server's).
-``temperature`` defaults to 0 (greedy, deterministic).
+Validation lives here so that every bad field becomes a 400 in OpenAI's error shape
+(:mod:`herald.server.errors`). The models forbid unknown fields; the fields clients send that
+herald does not implement are in :mod:`herald.server.fields` (ignored, or accepted only at a
+value that asks for nothing). docs/API.md documents every field.
+
+Herald's extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps``
+(fixed-steps mode: denoising steps per block), ``mode`` (one of :data:`MODES`; the server runs
+one, chosen at launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in
+(0, 1]: the fraction of the prefix each block attends to; fixed at launch, so it must equal the
+server's). ``temperature`` defaults to 0 (greedy, deterministic).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
 
-from fastapi.responses import JSONResponse
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
-from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, SamplingParams
+from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
 from herald.engines import MODES
+from herald.server import fields
+from herald.server.fields import Neutral, refuse
 
-RETRY_AFTER_SECONDS = 1
-"""The ``Retry-After`` of a 503: the queue drains at block boundaries, a fraction of a second."""
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
+"""Most alternatives per token that ``logprobs`` / ``top_logprobs`` may ask for."""
+MAX_STOPS = 4
+"""Most stop strings per request."""
 
 
-def error_response(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    """An OpenAI-shaped error body with HTTP ``status``."""
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "not_found_error",
-        503: "overloaded_error",
-    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    # 503: the waiting queue is full (or the engine is dead); clients back off and retry
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the
+    ``usage`` (every other chunk has ``"usage": null``); ``continuous_usage_stats`` (with it)
+    puts the running usage of its choice in every chunk instead of null."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+    IGNORED: ClassVar[frozenset[str]] = fields.IGNORED_COMMON
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = fields.NEUTRAL_COMMON
 
     model: str | None = None
     max_tokens: int | None = Field(
@@ -50,10 +63,17 @@ class _Common(BaseModel):
     )
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1)
+    min_tokens: int = Field(default=0, ge=0)
     stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = False
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
     steps: int | None = Field(default=None, gt=0, le=MAX_DENOISE_STEPS)
     mode: str | None = None
@@ -61,6 +81,17 @@ class _Common(BaseModel):
         default=None, gt=0.0, le=1.0, allow_inf_nan=False,
         validation_alias=AliasChoices("budget", "kv_budget"),
     )  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        return fields.check(data, cls.IGNORED, cls.NEUTRAL)
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise refuse("stream_options", "stream_options is only allowed with stream = true")
+        return self
 
     @field_validator("mode")
     @classmethod
@@ -73,7 +104,7 @@ class _Common(BaseModel):
     @classmethod
     def _only_one(cls, v: int) -> int:
         if v != 1:
-            raise ValueError("only n = 1 is supported")
+            raise ValueError("only n = 1 is supported (send a list of prompts for several)")
         return v
 
     @field_validator("stop")
@@ -82,44 +113,113 @@ class _Common(BaseModel):
         items = [v] if isinstance(v, str) else (v or [])
         if any(not s for s in items):
             raise ValueError("stop strings must be non-empty")
-        if len(items) > 4:
-            raise ValueError("at most 4 stop strings")
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids are >= 0")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and
+                                           self.stream_options.continuous_usage_stats)  # fmt: skip
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else the number of alternatives per token (0: the token's own)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        top = self.top_logprobs_wanted()
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=self.temperature,
+            top_k=max(0, self.top_k),  # -1 (vLLM's "off") is 0 here
             top_p=self.top_p,
             threshold=self.threshold,
             num_denoise_steps=self.steps,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            top_logprobs=top or 0,
         )
 
 
-class CompletionRequest(_Common):
-    """``POST /v1/completions``: ``prompt`` is one non-empty string."""
+def _prompts(v: Any) -> Any:
+    """``prompt`` as a list of prompts: a string, a list of strings, a list of token ids or a
+    list of lists of token ids; each non-empty."""
+    if isinstance(v, str) or (isinstance(v, list) and v and all(type(x) is int for x in v)):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise ValueError(
+            "a prompt is a non-empty string, a list of strings, a list of token ids or a list "
+            "of lists of token ids"
+        )
+    for i, p in enumerate(v):
+        which = "the prompt" if len(v) == 1 else f"prompt {i}"
+        if not (isinstance(p, str) or (isinstance(p, list) and all(type(x) is int for x in p))):
+            raise ValueError(f"{which} is neither a string nor a list of token ids")
+        if not p:
+            raise ValueError(f"{which} is empty: at least 1 character or token id")
+    return v
 
-    prompt: str = Field(min_length=1)
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: one prompt per choice; ``echo`` prepends the prompt to its text;
+    ``logprobs`` = the number of alternatives per token."""
+
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = {**fields.NEUTRAL_COMMON,
+                                                **fields.NEUTRAL_COMPLETIONS}  # fmt: skip
+
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _echo_scores(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise refuse("logprobs", "logprobs with echo would score the prompt, which herald "
+                         "does not do (prompt tokens are prefilled, never sampled)")  # fmt: skip
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: str
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message: ``content`` is text, a list of text parts, or null (an assistant's)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: str = Field(min_length=1)
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        return fields.check(data, fields.IGNORED_MESSAGE, fields.NEUTRAL_MESSAGE)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -133,27 +233,81 @@ class ChatMessage(BaseModel):
                     )
         return v
 
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise refuse("content", f"a {self.role!r} message needs content (null is for an "
+                         "assistant's only)")  # fmt: skip
+        return self
+
     def as_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` with text parts joined, as chat templates expect."""
+        """``{"role", "content"}`` (and ``"name"``) with text parts joined, as chat templates
+        expect; null content is the empty string."""
         parts = self.content
-        text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
-        return {"role": self.role, "content": text}
+        if parts is None:
+            text = ""
+        else:
+            text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
+        out = {"role": self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``: at least one message."""
+    """``POST /v1/chat/completions``: at least one message; ``logprobs`` (bool) and
+    ``top_logprobs`` (alternatives per token); ``add_generation_prompt`` (default true) cues
+    the assistant's reply after the messages."""
+
+    IGNORED: ClassVar[frozenset[str]] = fields.IGNORED_COMMON | fields.IGNORED_CHAT
+    NEUTRAL: ClassVar[Mapping[str, Neutral]] = {**fields.NEUTRAL_COMMON, **fields.NEUTRAL_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise refuse("top_logprobs", "top_logprobs needs logprobs = true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def validation_message(errors: list[Any]) -> tuple[str, str | None]:
-    """(message, param) of the first pydantic error."""
-    if not errors:
-        return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if e.get("type") == "json_invalid":
-        return "malformed JSON body", None
-    msg = str(e.get("msg", "invalid value"))
-    return (f"{param}: {msg}" if param else msg), param
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` (rendered with the chat
+    template, as chat completions would); ``return_token_strs`` adds each token's text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        names = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+        neutral = {k: fields.NEUTRAL_CHAT[k] for k in names}
+        neutral["add_special_tokens"] = fields.NEUTRAL_COMMON["add_special_tokens"]
+        return fields.check(data, frozenset(), neutral)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise refuse("prompt", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids -> text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]

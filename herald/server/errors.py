@@ -1,0 +1,60 @@
+"""The OpenAI error shape, and pydantic validation errors mapped onto it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from herald.server.fields import REFUSED
+
+RETRY_AFTER_SECONDS = 1
+"""The ``Retry-After`` of a 503: the queue drains at block boundaries, a fraction of a second."""
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An OpenAI-shaped error body ``{"error": {"message", "type", "param", "code"}}`` with
+    HTTP ``status``."""
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        503: "overloaded_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    # 503: the waiting queue is full (or the engine is dead); clients back off and retry
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _location(error: dict[str, Any]) -> str | None:
+    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    ctx = error.get("ctx") or {}
+    if error.get("type") == REFUSED and ctx.get("param"):
+        loc.append(str(ctx["param"]))
+    return ".".join(loc) or None
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """(message, param) for a request that failed validation: every unknown field named at
+    once, else the first error, its field as ``param``."""
+    if not errors:
+        return "invalid request", None
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        names = [_location(e) or "?" for e in unknown]
+        listed = ", ".join(repr(n) for n in names)
+        what = "field" if len(names) == 1 else "fields"
+        return (
+            f"unknown {what} {listed}: not an OpenAI or vLLM request field this server knows "
+            "(docs/API.md lists them)",
+            names[0],
+        )
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return "malformed JSON body", None
+    param = _location(e)
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param

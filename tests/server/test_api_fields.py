@@ -1,0 +1,388 @@
+"""The OpenAI / vLLM request fields and routes over raw HTTP (httpx): usage in streams, echo,
+prompt lists and token ids, chat content forms, defaults, sampling fields reaching the engine,
+refusals, stop strings cutting token counts, /tokenize, /detokenize, /version, model names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import MAX_SEQ_LEN, MODEL, TIMEOUT, LiveServer, Offline
+
+import herald
+from herald import env
+from herald.cli import build_parser
+from herald.config import SamplingParams
+from herald.server.defaults import SERVE_DEFAULTS
+from herald.server.launch import build_app
+from herald.server.state import served_names
+
+FAST = {"max_tokens": 48, "steps": 2}
+
+
+def _sse(resp: httpx.Response) -> list[Any]:
+    out: list[Any] = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.fixture
+def captured(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list[SamplingParams]:
+    """The SamplingParams of every request the engine queues while the test runs."""
+    engine = server.state.engine_loop.engine
+    real = engine.add_request
+    seen: list[SamplingParams] = []
+
+    def add_request(ids: list[int], params: SamplingParams) -> Any:
+        seen.append(params)
+        return real(ids, params)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    return seen
+
+
+def _post_stream(c: httpx.Client, route: str, body: dict[str, Any]) -> list[Any]:
+    with c.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        chunks = _sse(r)
+    assert chunks[-1] == "[DONE]"
+    return chunks[:-1]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_include_usage_ends_with_a_usage_chunk(client: httpx.Client, route: str) -> None:
+    chat = route.endswith("chat/completions")
+    body: dict[str, Any] = {**FAST}
+    body.update({"messages": [{"role": "user", "content": "count"}]} if chat else {"prompt": "n"})
+    full = client.post(route, json=body).json()
+    plain = _post_stream(client, route, body)
+    assert all("usage" not in p for p in plain)  # without stream_options: no usage key
+    parts = _post_stream(client, route, {**body, "stream_options": {"include_usage": True}})
+    *blocks, last = parts
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    assert all(p["usage"] is None for p in blocks) and blocks
+    key = (lambda ch: ch["delta"]["content"]) if chat else (lambda ch: ch["text"])
+    text = "".join(key(p["choices"][0]) for p in blocks)
+    want = full["choices"][0]["message"]["content"] if chat else full["choices"][0]["text"]
+    assert text == want
+    cont = {"include_usage": True, "continuous_usage_stats": True}
+    *blocks, last = _post_stream(client, route, {**body, "stream_options": cont})
+    counts = [p["usage"]["completion_tokens"] for p in blocks]
+    assert counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"]
+    assert last["usage"] == full["usage"]
+    r = client.post(route, json={**body, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_echo_prepends_the_prompt(client: httpx.Client, offline: Offline) -> None:
+    body = {"prompt": "echo me", **FAST}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "echo me" + plain["text"]
+    assert echoed["token_ids"] == plain["token_ids"]  # generated tokens only
+    parts = _post_stream(client, "/v1/completions", {**body, "echo": True})
+    assert parts[0]["choices"][0]["text"] == "echo me" and parts[0]["choices"][0]["token_ids"] == []
+    assert "".join(p["choices"][0]["text"] for p in parts) == echoed["text"]
+    ids = offline.tokenizer.encode("echo me")
+    by_ids = client.post("/v1/completions", json={**body, "prompt": ids, "echo": True}).json()
+    assert by_ids["choices"][0]["text"] == echoed["text"]
+    r = client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_prompt_lists_and_token_ids(client: httpx.Client, offline: Offline) -> None:
+    prompts = ["first prompt", "second one", "third"]
+    r = client.post("/v1/completions", json={"prompt": prompts, **FAST})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [ch["index"] for ch in got["choices"]] == [0, 1, 2]
+    params = SamplingParams(max_new_tokens=48, num_denoise_steps=2)
+    wants = [offline.run(p, params) for p in prompts]
+    assert [ch["token_ids"] for ch in got["choices"]] == wants
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    assert got["usage"]["prompt_tokens"] == sum(len(x) for x in ids)
+    assert got["usage"]["completion_tokens"] == sum(len(w) for w in wants)
+    one = client.post("/v1/completions", json={"prompt": ids[1], **FAST}).json()
+    assert one["choices"][0]["token_ids"] == wants[1]
+    many = client.post("/v1/completions", json={"prompt": ids, **FAST}).json()
+    assert [ch["token_ids"] for ch in many["choices"]] == wants
+    parts = _post_stream(client, "/v1/completions", {"prompt": prompts, **FAST})
+    for i, want in enumerate(wants):
+        mine = [p["choices"][0] for p in parts if p["choices"][0]["index"] == i]
+        assert [t for ch in mine for t in ch["token_ids"]] == want
+        assert [ch["finish_reason"] is not None for ch in mine].count(True) == 1
+    bad = client.post("/v1/completions", json={"prompt": [[1, 2], [10**9]], **FAST})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def test_chat_content_forms(client: httpx.Client) -> None:
+    def ask(messages: list[dict[str, Any]]) -> httpx.Response:
+        return client.post("/v1/chat/completions", json={"messages": messages, **FAST})
+
+    text = ask([{"role": "user", "content": "ab"}]).json()
+    parts = ask([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                              {"type": "text", "text": "b"}]}])  # fmt: skip
+    assert parts.json()["choices"][0]["token_ids"] == text["choices"][0]["token_ids"]
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "again"}]  # fmt: skip
+    assert ask(turns).status_code == 200
+    r = ask([{"role": "user", "content": None}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
+    r = ask(audio)
+    assert r.status_code == 400 and "'input_audio'" in r.json()["error"]["message"]
+    r = ask([{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls"
+    # what a client copies back from an earlier reply is accepted
+    reply = {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": None}
+    assert ask([{"role": "user", "content": "hi"}, reply]).status_code == 200
+
+
+def test_default_max_tokens(
+    client: httpx.Client, server: LiveServer, captured: list[SamplingParams]
+) -> None:
+    prompt = server.state.chat_template.render([{"role": "user", "content": "long"}])  # type: ignore[union-attr]
+    n = len(server.state.tokenizer.encode(prompt))
+    body = {"messages": [{"role": "user", "content": "long"}], "steps": 1}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "short", "steps": 1}).status_code == 200
+    assert [p.max_new_tokens for p in captured] == [MAX_SEQ_LEN - n, 16]
+
+
+def test_sampling_fields_reach_the_engine(
+    client: httpx.Client, captured: list[SamplingParams]
+) -> None:
+    body = {"prompt": "knobs", **FAST, "top_k": 5, "min_tokens": 3, "ignore_eos": True,
+            "stop_token_ids": [7, 9], "temperature": 0.5, "seed": 3}  # fmt: skip
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "x"}], **FAST, "top_k": -1}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    p, q = captured
+    assert (p.top_k, p.min_tokens, p.ignore_eos, tuple(p.stop_token_ids)) == (5, 3, True, (7, 9))
+    assert (p.temperature, p.seed) == (0.5, 3)
+    assert q.top_k == 0  # vLLM's -1, "off"
+    assert len(r.json()["choices"][0]["token_ids"]) == 48  # ignore_eos: the full length
+    r = client.post("/v1/completions", json={**body, "min_tokens": 49})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("best_of", 2), ("suffix", "end"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+        ("repetition_penalty", 1.2), ("logit_bias", {"5": 1}), ("response_format",
+        {"type": "json_object"}), ("n", 2), ("use_beam_search", True), ("min_p", 0.1),
+        ("guided_json", {}), ("add_special_tokens", True), ("prompt_logprobs", 1),
+    ],
+)  # fmt: skip
+def test_unimplemented_completion_fields_are_refused_by_name(
+    client: httpx.Client, field: str, value: Any
+) -> None:
+    r = client.post("/v1/completions", json={"prompt": "hi", field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+     ("functions", [{"name": "f"}]), ("response_format", {"type": "json_schema"}),
+     ("top_logprobs", 2), ("echo", True), ("audio", {"voice": "x"})],
+)  # fmt: skip
+def test_unimplemented_chat_fields_are_refused_by_name(
+    client: httpx.Client, field: str, value: Any
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_neutral_values_ignored_fields_and_unknown_fields(client: httpx.Client) -> None:
+    neutral = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "user": "u-1", "suffix": None, "n": 1, "repetition_penalty": 1.0,
+               "response_format": {"type": "text"}, "seed": 1}  # fmt: skip
+    r = client.post("/v1/completions", json={"prompt": "hi", **FAST, **neutral})
+    assert r.status_code == 200, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], **FAST, "tools": [],
+            "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "store": False,
+            "parallel_tool_calls": True}  # fmt: skip
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "hi", "bogus": 1, "other": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "bogus"
+    assert "'bogus'" in err["message"] and "'other'" in err["message"]
+    # a chat-only field on completions is unknown there
+    r = client.post("/v1/completions", json={"prompt": "hi", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def _emitted(offline: Offline, ids: list[int], text: str) -> list[int]:
+    """The shortest prefix of ``ids`` whose text starts with ``text``."""
+    k = next(k for k in range(len(ids) + 1) if offline.tokenizer.decode(ids[:k]).startswith(text))
+    return ids[:k]
+
+
+def test_stop_string_cuts_token_ids_and_usage(client: httpx.Client, offline: Offline) -> None:
+    body = {"prompt": "stop counting", "max_tokens": 64, "steps": 2}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]
+    text, ids = full["text"], full["token_ids"]
+    # a 2-character stop string first seen inside the first block (committed whole), not at 0
+    cut = next(p for p in range(1, len(text) - 1) if text.find(text[p : p + 2]) == p
+               and 0 < len(_emitted(offline, ids, text[:p])) < 31)  # fmt: skip
+    stop = text[cut : cut + 2]
+    want = _emitted(offline, ids, text[:cut])
+    r = client.post("/v1/completions", json={**body, "stop": stop}).json()
+    assert r["choices"][0]["text"] == text[:cut] and r["choices"][0]["token_ids"] == want
+    assert r["usage"]["completion_tokens"] == len(want)
+    streamed = {**body, "stop": [stop], "stream_options": {"include_usage": True}}
+    *parts, last = _post_stream(client, "/v1/completions", streamed)
+    assert [t for p in parts for t in p["choices"][0]["token_ids"]] == want
+    assert last["usage"]["completion_tokens"] == len(want)
+    kept = {**body, "stop": stop, "include_stop_str_in_output": True}
+    kept = client.post("/v1/completions", json=kept).json()
+    assert kept["choices"][0]["text"] == text[: cut + len(stop)]
+    assert kept["choices"][0]["token_ids"] == _emitted(offline, ids, text[: cut + len(stop)])
+
+
+def test_tokenize_detokenize_version(client: httpx.Client, server: LiveServer) -> None:
+    tok = server.state.tokenizer
+    r = client.post("/tokenize", json={"prompt": "hello there", "model": MODEL}).json()
+    assert r == {"count": len(tok.encode("hello there")), "max_model_len": MAX_SEQ_LEN,
+                 "tokens": tok.encode("hello there")}  # fmt: skip
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == tok.encode(server.state.chat_template.render(msgs))  # type: ignore[union-attr]
+    strs = client.post("/tokenize", json={"prompt": "ab", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["a", "b"]
+    back = client.post("/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back == {"prompt": "hello there"}
+    assert client.post("/tokenize", json={}).status_code == 400
+    assert client.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+    bad = client.post("/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert client.get("/version").json() == {"version": herald.__version__}
+
+
+def test_served_model_names(
+    client: httpx.Client, server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert served_names("checkpoints/code-sdar/") == ("code-sdar",)
+    assert served_names("/models/LLaDA2.0-mini") == ("LLaDA2.0-mini",)
+    assert served_names("tiny-sdar", ["a", "b"]) == ("a", "b")
+    with pytest.raises(ValueError):
+        served_names("x", [""])
+    monkeypatch.setattr(server.state, "model_name", "public")
+    monkeypatch.setattr(server.state, "aliases", ("alias",))
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["public", "alias"]
+    body = {"prompt": "named", "max_tokens": 8, "steps": 1}
+    assert client.post("/v1/completions", json=body).json()["model"] == "public"
+    r = client.post("/v1/completions", json={**body, "model": "alias"})
+    assert r.status_code == 200 and r.json()["model"] == "alias"
+    r = client.post("/v1/completions", json={**body, "model": MODEL})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_api_key_from_the_environment() -> None:
+    with env.overridden({"HERALD_API_KEY": "from-env"}) as s:
+        assert s.api_key == "from-env" and "from-env" not in repr(s)
+    assert env.parse({"HERALD_API_KEY": ""}).api_key is None
+
+
+def test_build_app_takes_names_and_the_key_from_the_environment() -> None:
+    engine = SERVE_DEFAULTS.replace(max_seq_len=64, max_batch_size=1)
+    with env.overridden({"HERALD_API_KEY": "from-env"}):
+        named = build_app(MODEL, engine, served_model_name=["public", "alt"])
+        flagged = build_app(MODEL, engine, api_key="flag")
+    try:
+        assert named.state.herald.model_names == ("public", "alt")
+        assert named.state.herald.api_key == "from-env"
+        assert flagged.state.herald.model_names == (MODEL,)
+        assert flagged.state.herald.api_key == "flag"  # --api-key wins
+    finally:
+        for app in (named, flagged):
+            app.state.herald.engine_loop.stop()
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
+
+
+def test_stop_reason_for_strings_and_stop_token_ids(client: httpx.Client) -> None:
+    body = {"prompt": "reasons", "max_tokens": 64, "steps": 2}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert full["stop_reason"] is None
+    ids = full["token_ids"]
+    j = next(j for j in range(5, len(ids)) if ids[j] not in ids[:j])  # first seen at j
+    r = client.post("/v1/completions", json={**body, "stop_token_ids": [ids[j]]}).json()
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == ids[j]
+    assert ch["token_ids"] == ids[:j]  # the stop token itself is not returned
+    text = full["text"]
+    stop = text[3:5]
+    r = client.post("/v1/completions", json={**body, "stop": ["\x00never", stop]}).json()
+    assert r["choices"][0]["stop_reason"] == stop
+    *_, last = _post_stream(client, "/v1/completions", {**body, "stop": stop})
+    assert last["choices"][0]["stop_reason"] == stop
+
+
+def test_completion_logprobs(client: httpx.Client) -> None:
+    body = {"prompt": "scores", "max_tokens": 64, "steps": 2}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    ch = client.post("/v1/completions", json={**body, "logprobs": 3}).json()["choices"][0]
+    assert ch["token_ids"] == plain["token_ids"] and plain["logprobs"] is None
+    lp = ch["logprobs"]
+    n = len(ch["token_ids"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    for own, alts in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert 1 <= len(alts) <= 3
+        assert max(alts.values()) == pytest.approx(own)  # greedy: the token is the likeliest
+    assert all(isinstance(t, str) for t in lp["tokens"])
+    zero = client.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    assert zero["logprobs"]["top_logprobs"] is None
+    assert zero["logprobs"]["token_logprobs"] == lp["token_logprobs"]
+    parts = _post_stream(client, "/v1/completions", {**body, "logprobs": 3})
+    blocks = [p["choices"][0]["logprobs"] for p in parts if p["choices"][0]["token_ids"]]
+    assert [x for b in blocks for x in b["token_logprobs"]] == lp["token_logprobs"]
+    assert [x for b in blocks for x in b["text_offset"]] == lp["text_offset"]
+    # cut with the text at a stop string
+    stop = plain["text"][3:5]
+    cut = client.post("/v1/completions", json={**body, "logprobs": 1, "stop": stop}).json()
+    got = cut["choices"][0]
+    assert len(got["logprobs"]["token_logprobs"]) == len(got["token_ids"])
+    assert got["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(got["token_ids"])]
+    r = client.post("/v1/completions", json={**body, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_chat_logprobs(client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "score"}], **FAST}
+    r = client.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2})
+    ch = r.json()["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert len(content) == len(ch["token_ids"]) == r.json()["usage"]["completion_tokens"]
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert isinstance(entry["bytes"], list) and len(entry["top_logprobs"]) <= 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+    own = client.post("/v1/chat/completions", json={**body, "logprobs": True}).json()
+    assert all(e["top_logprobs"] == [] for e in own["choices"][0]["logprobs"]["content"])
+    parts = _post_stream(client, "/v1/chat/completions", {**body, "logprobs": True})
+    streamed = [e for p in parts if p["choices"][0]["logprobs"]
+                for e in p["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert streamed == own["choices"][0]["logprobs"]["content"]
