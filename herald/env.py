@@ -26,8 +26,10 @@ variable                       meaning
 ``HERALD_COMPILE``             ``0`` turns off ``torch.compile`` of the fused elementwise kernels
 ``HERALD_API_KEY``             the key ``herald serve`` requires as ``Authorization: Bearer KEY``
                                (``--api-key`` wins); unset or empty: no key
-``HERALD_TRITON``              ``0`` turns off herald's Triton kernels (fused MoE, block attention):
-                               the grouped-GEMM MoE and SDPA run instead (A/B measurements)
+``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: the block attention on
+                               small stores, i.e. the sparse pools, where it measured faster),
+                               ``all`` (also the fused MoE, the dense cache and prefill chunks) or
+                               ``0`` (none: grouped-GEMM MoE and SDPA)
 =============================  ==================================================================
 """
 
@@ -44,6 +46,7 @@ SELECTION_ISAS = ("auto", "avx512", "portable", "avx512bf16")
 SELECTION_SCHEDULES = ("auto", "items", "tiles")
 PREFETCH_HINTS = ("none", "t0", "t1", "nta")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+TRITON_CHOICES = ("auto", "all", "0")
 DEFAULT_PREFETCH = "t0:1"
 
 
@@ -63,7 +66,7 @@ class Settings:
     sdpa_backends: tuple[str, ...] | None = None
     compile: bool = True
     api_key: str | None = field(default=None, repr=False)
-    triton: bool = True
+    triton: str = "auto"
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -118,7 +121,7 @@ def parse(env: dict[str, str]) -> Settings:
         sdpa_backends=_sdpa(env),
         compile=env.get("HERALD_COMPILE", "1").strip() != "0",
         api_key=env.get("HERALD_API_KEY") or None,
-        triton=env.get("HERALD_TRITON", "1").strip() != "0",
+        triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
     )
 
 

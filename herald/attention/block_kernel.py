@@ -45,10 +45,23 @@ def query_tile(num_q_heads: int, num_kv_heads: int, length: int, block: int = 0)
     return min(qt, limit)
 
 
-def block_attention_available(q: torch.Tensor, k_store: torch.Tensor) -> bool:
-    """True when the kernel suits the call: CUDA bf16/fp16, Triton enabled, power-of-two head
+SMALL_STORE_KEYS = 8192
+"""Stores up to this many rows per slot (the sparse pools) use the kernel by default; on the
+H200 it measured slower than cuDNN over a 32K dense cache (one program per row and KV head
+streams too few keys in parallel), so larger stores use it only with ``HERALD_TRITON=all``. The
+choice depends on the store, never on the batch, so results stay batch-invariant."""
+
+
+def block_attention_available(
+    q: torch.Tensor, k_store: torch.Tensor, *, prefill: bool = False
+) -> bool:
+    """True when the kernel suits the call: CUDA bf16/fp16, Triton enabled for this store (see
+    :data:`SMALL_STORE_KEYS`; prefill chunks only with ``HERALD_TRITON=all``), power-of-two head
     dim of at least 16, and at least 16 folded query rows per program."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and triton_enabled()):
+    everywhere = prefill or k_store.shape[2] > SMALL_STORE_KEYS
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if not triton_enabled(everywhere):
         return False
     d = q.shape[-1]
     g = q.shape[2] // k_store.shape[1]

@@ -46,7 +46,8 @@ class SlotAttention:
     than every block (cuDNN plans per shape). Costs up to ``kv_pad - 1`` masked keys per call.
     Prefill chunks (block-causal) are not padded.
 
-    On CUDA with Triton, denoising steps, commits, draft groups and whole-block prefill chunks run
+    On CUDA with Triton, denoising steps, commits and draft groups over small stores (the sparse
+    pools; every store and whole-block prefill chunks with ``HERALD_TRITON=all``) run
     :func:`herald.attention.block_kernel.block_attention` instead of SDPA: each row over exactly
     its own keys, batch-invariant without padding (``kv_pad`` then only sizes the store).
     """
@@ -141,7 +142,9 @@ class SlotAttention:
         self._write(kc, vc, k, v)
         keys = kc[self._slots, :, : self._kv_len]
         values = vc[self._slots, :, : self._kv_len]
-        fast = self._prefix32 is not None and block_attention_available(q, kc)
+        fast = self._prefix32 is not None and block_attention_available(
+            q, kc, prefill=self._block_size is not None
+        )
         if fast and (self._block_size is None or self._length % self._block_size == 0):
             # One kernel over each row's own keys: no padding, no masks, batch-invariant.
             assert self._prefix32 is not None

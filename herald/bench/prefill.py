@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="dense,herald", help=f"comma-separated of {MODES}")
     p.add_argument("--prompts", default="4096,16384,32768", help="prompt lengths")
     p.add_argument("--requests", type=int, default=4, help="prompts queued at once")
-    p.add_argument("--triton", default="1", help="HERALD_TRITON values to measure, e.g. 0,1")
+    p.add_argument("--triton", default="auto", help="HERALD_TRITON values to measure, e.g. 0,all")
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -75,15 +75,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_enabled() -> bool:
-    """Triton is present and ``HERALD_TRITON`` (:mod:`herald.env`) is not ``0``."""
-    return settings().triton and triton_available()
+def triton_enabled(everywhere: bool = False) -> bool:
+    """Triton is present and ``HERALD_TRITON`` (:mod:`herald.env`) allows it: not ``0``, and
+    ``all`` when ``everywhere`` (the kernels not yet measured faster than the library path)."""
+    mode = settings().triton
+    return mode != "0" and (mode == "all" or not everywhere) and triton_available()
 
 
 def fused_available(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
-    """True when the fused path suits ``x``: CUDA bf16/fp16, Triton enabled, H and I multiples
-    of ``BLOCK_K``."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_enabled()):
+    """True when the fused path suits ``x``: CUDA bf16/fp16, ``HERALD_TRITON=all`` (on the H200
+    it measured no faster than ``grouped_mm`` at the engines' token counts, results/forward/),
+    H and I multiples of ``BLOCK_K``."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_enabled(True)):
         return False
     hidden, inter = w_gate_up.shape[2], w_gate_up.shape[1] // 2
     return hidden % BLOCK_K == 0 and inter % BLOCK_K == 0

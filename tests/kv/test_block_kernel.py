@@ -92,9 +92,21 @@ def _store(slots: int, cap: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_block_attention_matches_sdpa_on_cuda() -> None:
+def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """LLaDA2.0-mini heads (16 query, 4 KV, 128 dim), sparse-pool and dense lengths."""
-    from herald.attention.block_kernel import block_attention, block_attention_available
+    from herald.attention.block_kernel import (
+        SMALL_STORE_KEYS,
+        block_attention,
+        block_attention_available,
+    )
+
+    q_small = torch.empty(1, 32, 16, 128, device="cuda", dtype=torch.bfloat16)
+    small = torch.empty(1, 4, SMALL_STORE_KEYS, 128, device="cuda", dtype=torch.bfloat16)
+    big = torch.empty(1, 4, SMALL_STORE_KEYS + 1, 128, device="cuda", dtype=torch.bfloat16)
+    assert block_attention_available(q_small, small)  # the default: sparse-pool sized stores
+    assert not block_attention_available(q_small, big)
+    assert not block_attention_available(q_small, small, prefill=True)
+    monkeypatch.setenv("HERALD_TRITON", "all")
 
     k, v = _store(8, 9000)
     prefix = torch.tensor([0, 1, 1703, 511, 8000, 4096, 33, 7000], device="cuda")

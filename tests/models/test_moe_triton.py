@@ -103,12 +103,13 @@ def _full_size_moe() -> SparseMoE:
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_fused_matches_reference_on_cuda_full_size_shapes() -> None:
+def test_fused_matches_reference_on_cuda_full_size_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HERALD_TRITON", "all")  # the fused path is opt-in (herald.env)
     moe = _full_size_moe()
     for tokens in (1, 32, 1024, 4096):
         x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
         assert fused_available(x, moe.experts_gate_up)
-        assert moe.experts_impl(x) is experts_fused  # auto picks the fused path
+        assert moe.experts_impl(x) is experts_fused  # auto picks it under HERALD_TRITON=all
         idx, _ = moe.route(x)
         ref = experts_reference(x, idx, moe.experts_gate_up, moe.experts_down).float()
         out = experts_fused(x, idx, moe.experts_gate_up, moe.experts_down).float()
@@ -131,9 +132,10 @@ def test_fused_rows_are_batch_invariant_bit_for_bit() -> None:
 
 @pytest.mark.gpu
 @torch.no_grad()
-def test_fused_moe_replays_in_a_cuda_graph() -> None:
+def test_fused_moe_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """Static shapes, no host sync: a captured MoE forward replays the eager result for new
     inputs (and so new routings)."""
+    monkeypatch.setenv("HERALD_TRITON", "all")
     moe = _full_size_moe()
     x = torch.randn(2560, 2048, device="cuda", dtype=torch.bfloat16)
     moe(x)  # warm-up: compile and first launches outside capture
