@@ -9,10 +9,12 @@ centre of the next block through every layer:
   offloaded layers: the query goes to the CPU, :func:`~herald.offload.selection.cpu.select_topk`
   runs exact attention over the CPU pool (prefix pages + tail page, the tail attended but never
   ranked) and returns the output and the top-k rows, the selected K/V rows gathered into pinned
-  staging by the same call; one async copy per layer fills the idle sparse pool.
+  staging by the same call; one async copy per layer, on a copy stream of the worker's, fills the
+  idle sparse pool while the next layer's projections and selection go on.
 
 Fences (each has a NOTE where it is enforced):
-- the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete);
+- the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete), on
+  both of its streams;
 - the staging buffer of a layer is reused only after its previous host-to-device copy completed;
 - the main stream reads the idle pool only after waiting on ``cuda_done``
   (:meth:`RetrievalJob.wait`).
@@ -20,6 +22,7 @@ Fences (each has a NOTE where it is enforced):
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -118,6 +121,11 @@ class RetrievalWorker:
         # priority every small kernel of the single-query forward queues behind it, and the
         # retrieval stream's latency (its critical path is sequential over layers) grows ~2x.
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
+        # The selected rows' host-to-device copies into the idle pool run on a stream of their
+        # own: on the retrieval stream they would sit in front of the layer's o_proj + FFN and
+        # the next layer's projections, so the next layer's query (and with it the CPU kernel)
+        # would wait for every copy of this layer's rows; here they overlap the next layer.
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
         # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements.
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
         numel = 2 * pool.num_slots * hkv * pool.capacity * d
@@ -172,7 +180,12 @@ class RetrievalWorker:
                         # one: the host sleeps, HeraldPolicy._start makes it).
                         self.stream.wait_event(job.ready)
                         job.ready.synchronize()
+                    # NOTE: the copy stream writes the idle pool only after ``ready`` too (the
+                    # main stream's last reads of that buffer), and cuda_done covers its copies.
+                    assert self.copy_stream is not None
+                    self.copy_stream.wait_stream(self.stream)
                     self._select(job)
+                    self.stream.wait_stream(self.copy_stream)
                     job.cuda_done = torch.cuda.Event()
                     job.cuda_done.record(self.stream)
             else:
@@ -267,19 +280,31 @@ class RetrievalWorker:
             job.num_selected = res.num_selected.tolist()
         if job.record:
             job.recorded[layer_id] = (q_cpu.clone(), res.indices.clone())
-        o = res.attn_output.to(self.device, self.dtype, non_blocking=True)
-        # NOTE: exactly k_r rows per request. Rows past num_selected in the staging buffer are
-        # stale or uninitialised; copying them would put garbage (possibly NaN bit patterns)
-        # into pool rows that attention masks but still multiplies by zero (0 * NaN = NaN).
-        sel = res.num_selected.tolist()
-        kd, vd = self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id)
-        if all(x == sel[0] for x in sel):
-            kd[:n, :, : sel[0]].copy_(out[0, :, :, : sel[0]], non_blocking=True)
-            vd[:n, :, : sel[0]].copy_(out[1, :, :, : sel[0]], non_blocking=True)
-        else:
-            for i, kk in enumerate(sel):
-                kd[i, :, :kk].copy_(out[0, i, :, :kk], non_blocking=True)
-                vd[i, :, :kk].copy_(out[1, i, :, :kk], non_blocking=True)
-        self._staging[slot].copied()  # on this (the retrieval) stream, after the copies above
+        # float32 to the device, then cast there: a cast on the host would run on PyTorch's
+        # OpenMP threads, which spin on for a while after it, into the next kernel call.
+        o = res.attn_output.to(self.device, non_blocking=True).to(self.dtype)
+        self._copy_to_pool(job, layer_id, out, res.num_selected.tolist())
         job.layer_seconds.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return o.view(n, 1, -1, d)
+
+    def _copy_to_pool(
+        self, job: RetrievalJob, layer_id: int, out: torch.Tensor, sel: list[int]
+    ) -> None:
+        """Staging ``out`` -> rows ``[0, k_r)`` of the idle pool at ``layer_id``, on the copy
+        stream (CUDA), then the staging's reuse event on that stream.
+
+        NOTE: exactly k_r rows per request. Rows past num_selected in the staging buffer are
+        stale or uninitialised; copying them would put garbage (possibly NaN bit patterns) into
+        pool rows that attention masks but still multiplies by zero (0 * NaN = NaN)."""
+        n = len(sel)
+        kd, vd = self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id)
+        staging = self._staging[self.pool.layers.index(layer_id)]
+        with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
+            if all(x == sel[0] for x in sel):
+                kd[:n, :, : sel[0]].copy_(out[0, :, :, : sel[0]], non_blocking=True)
+                vd[:n, :, : sel[0]].copy_(out[1, :, :, : sel[0]], non_blocking=True)
+            else:
+                for i, kk in enumerate(sel):
+                    kd[i, :, :kk].copy_(out[0, i, :, :kk], non_blocking=True)
+                    vd[i, :, :kk].copy_(out[1, i, :, :kk], non_blocking=True)
+            staging.copied()  # recorded on the copy stream, after the copies above

@@ -64,8 +64,10 @@ def test_budget_one_equals_dense(setup, mode):
     assert eng.cpu_pool.num_used_pages == 0  # every page came back
 
 
-def test_random_retrieval_delays_do_not_change_output():
-    model, config = _model("tiny-sdar")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_random_retrieval_delays_do_not_change_output(device):
+    """On CUDA this also races the retrieval stream, its copy stream and the main stream."""
+    model, config = _model("tiny-sdar", device)
     prompts = _prompts(config, [90, 33, 64, 5], seed=4)
     params = SamplingParams(max_new_tokens=160, num_denoise_steps=6, ignore_eos=True)
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.3, selection_threads=2)
