@@ -33,6 +33,7 @@ from types import TracebackType
 
 import torch
 
+from herald.kv.compact_keys import FIRST_PASS_KINDS, CompactKeys, compact_bytes_per_page
 from herald.kv.pinned import register_pinned, unregister_pinned
 
 __all__ = ["CpuKVPool", "CpuPoolFullError", "page_copy_runs"]
@@ -61,6 +62,9 @@ class CpuKVPool:
         num_pages: pages to allocate (>= 1); each page covers all layers, K and V.
         dtype: element type (bf16, what the selection kernel reads).
         pin: ``None`` = pin iff CUDA is available; ``True`` requires CUDA; ``False`` = pageable.
+        first_pass: ``"int8"`` also keeps an int8 copy of K (:attr:`compact`,
+            :mod:`herald.kv.compact_keys`; its bytes count in :attr:`nbytes` and
+            :attr:`bytes_per_page`), ``"none"`` (default) does not.
 
     Raises:
         ValueError: a non-positive size. RuntimeError: ``pin=True`` without CUDA, or
@@ -70,8 +74,10 @@ class CpuKVPool:
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
-        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, first_pass: str = "none",
     ) -> None:  # fmt: skip
+        if first_pass not in FIRST_PASS_KINDS:
+            raise ValueError(f"first_pass must be one of {FIRST_PASS_KINDS}, got {first_pass!r}")
         dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
         for name, value in {**dims, "page_size": page_size, "num_pages": num_pages}.items():
             if not isinstance(value, int) or value < 1:
@@ -101,9 +107,12 @@ class CpuKVPool:
             ) from e
         off = (-raw.data_ptr() % 4096) // itemsize
         self._storage: torch.Tensor | None = raw[off : off + numel].view(shape).zero_()
+        self.compact: CompactKeys | None = None  # the int8 copy of K (first_pass="int8")
+        if first_pass == "int8":
+            self.compact = CompactKeys(num_layers, num_pages, num_kv_heads, page_size, head_dim)
         self.alloc_seconds = time.perf_counter() - t0
-        self.nbytes = self._storage.nbytes  # bytes of the whole pool
-        self.bytes_per_page = self.nbytes // num_pages  # K and V of page_size tokens, all layers
+        self.nbytes = self._storage.nbytes + (self.compact.nbytes if self.compact else 0)
+        self.bytes_per_page = self.nbytes // num_pages  # K, V (and int8 K) of a page, all layers
         self.capacity_tokens = num_pages * page_size
         self._registered: list[int] = []  # base addresses passed to cudaHostRegister
         self.pin_seconds = 0.0
@@ -123,26 +132,35 @@ class CpuKVPool:
     @classmethod
     def from_gib(
         cls, gib: float, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, first_pass: str = "none",
     ) -> CpuKVPool:  # fmt: skip
-        """The largest pool of at most ``gib`` GiB (2**30 bytes); ValueError if < 1 page."""
+        """The largest pool of at most ``gib`` GiB (2**30 bytes, the int8 copy of K included);
+        ValueError if < 1 page."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_page = num_layers * 2 * num_kv_heads * page_size * head_dim * itemsize
+        if first_pass == "int8":
+            per_page += compact_bytes_per_page(num_layers, num_kv_heads, page_size, head_dim)
         num_pages = int(gib * _GIB) // per_page
         if num_pages < 1:
             raise ValueError(f"{gib} GiB holds no page of {per_page} bytes")
-        return cls(num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin)
+        return cls(
+            num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin,
+            first_pass=first_pass,
+        )  # fmt: skip
 
     @classmethod
     def from_tokens(
         cls, tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+        *, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, first_pass: str = "none",
     ) -> CpuKVPool:  # fmt: skip
         """A pool of ``ceil(tokens / page_size)`` pages (capacity rounded up to whole pages)."""
         if tokens < 1:
             raise ValueError(f"tokens must be >= 1, got {tokens}")
         num_pages = math.ceil(tokens / page_size)
-        return cls(num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin)
+        return cls(
+            num_layers, num_kv_heads, head_dim, page_size, num_pages, dtype=dtype, pin=pin,
+            first_pass=first_pass,
+        )  # fmt: skip
 
     @property
     def num_free_pages(self) -> int:
@@ -164,7 +182,7 @@ class CpuKVPool:
     def describe(self) -> str:
         """One line for the start-up log: size, capacity in tokens, allocation and pin times."""
         how = f"pinned in {len(self._registered)} chunk(s)" if self.pinned else "not pinned"
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.") + (" + int8 K" if self.compact else "")
         return (
             f"CPU KV pool: {self.nbytes / _GIB:.2f} GiB {how}, {self.num_pages} pages x "
             f"{self.page_size} tokens = {self.capacity_tokens} tokens ({self.num_layers} layers x "
@@ -343,6 +361,10 @@ class CpuKVPool:
         non_blocking = k.is_cuda and self.pinned
         self.k_pages(layer)[page, :, :n].copy_(k, non_blocking=non_blocking)
         self.v_pages(layer)[page, :, :n].copy_(v, non_blocking=non_blocking)
+        if self.compact is not None:  # the int8 copy of K follows (after the copy landed)
+            if non_blocking:
+                torch.cuda.current_stream(k.device).synchronize()
+            self.compact.update(self.storage, [page])
 
     def copy_pages(
         self, layer: int, kv: int, page_ids: Sequence[int], out: torch.Tensor

@@ -13,6 +13,7 @@ import torch
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.pinned import PinnedStaging, host_wait
 from herald.kv.sparse_pool import GpuSparseKVPool
+from herald.offload.selection.compact_cpu import update_compact
 from herald.offload.selection.cpu import scatter_blocks
 
 
@@ -77,6 +78,8 @@ class BlockHandoff:
         # The scatter runs on the selection kernel's threads, after any selection call in
         # progress (scatter_blocks says why not a parallel index_copy_).
         scatter_blocks(store, 2, idx, host, num_threads=self.num_threads)
+        # The int8 copy of K, if the pool keeps one, follows the pages just written.
+        update_compact(self.cpu_pool, idx, self.num_threads)
 
     def close(self) -> None:
         self.staging.close()

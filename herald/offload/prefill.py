@@ -22,6 +22,7 @@ from herald.attention.base import QueryRecorder
 from herald.attention.slots import SlotAttention
 from herald.engine.request import Request
 from herald.engine.scheduler import PrefillChunk
+from herald.offload.selection.compact_cpu import update_compact
 from herald.offload.selection.gpu_topk import select_topk_rows
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class PromptPrefill:
                 for src, dst in ((self.tk, pool.k_pages(pl)), (self.tv, pool.v_pages(pl))):
                     rows = src[layer][0, :, :s].to("cpu", dst.dtype)
                     dst.index_copy_(0, idx, rows.view(-1, nblk, b, d).transpose(0, 1))
+        if nblk:  # the prompt's K is in the pages (host copies): its int8 copy, if kept
+            update_compact(core.cpu_pool, pages[:nblk], core.selection_threads)
 
     def _first_selection(self, req: Request, slot: int, s: int) -> tuple[int, int]:
         """The first block's B queries, exact over the full prompt KV, on the model device."""
@@ -136,6 +139,7 @@ class PromptPrefill:
             for pl in range(store.shape[0]):
                 for kv in range(2):
                     store[pl, kv].index_copy_(0, pages, values)
+            update_compact(core.cpu_pool, pages, core.selection_threads)
         core.policy.on_synthetic_prefill(slot, s)
         if s == 0:
             return 0, 0
