@@ -192,6 +192,14 @@ class OffloadConfig:
     may use, or ``HERALD_SELECTION_THREADS``)."""
     proxy_ratio: float = 0.25
     """InfiniGen proxy: fraction of head_dim channels kept in the partial-key cache."""
+    first_pass: str = "none"
+    """First pass of the CPU selection (representative query, CPU device): "none" reads every
+    prefix key in bf16; "int8" also keeps an int8 copy of K in the CPU pool (+26% pool bytes at
+    head_dim 128) and scans it first: certified bounds keep candidates, only those are re-read
+    in bf16, and a top-k the bounds cannot certify is recomputed by the exact kernel, so the
+    indices are always the exact ones. The certificate needs each query head's softmax
+    normaliser, which the int8 bounds leave open: with several query heads per KV head it rarely
+    holds on real KV (results/compact/README.md), so "int8" stays off until measured faster."""
 
     def validate(self) -> None:
         checks = {
@@ -216,6 +224,10 @@ class OffloadConfig:
             raise ValueError("give the CPU pool size in GiB or in tokens, not both")
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
+        if self.first_pass not in ("none", "int8"):
+            raise ValueError(f"first_pass must be 'none' or 'int8', got {self.first_pass!r}")
+        if self.first_pass != "none" and (self.mode != "herald" or self.selection_device != "cpu"):
+            raise ValueError("first_pass='int8' needs the representative query on the CPU kernel")
 
     @property
     def mode(self) -> str:

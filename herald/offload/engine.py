@@ -151,11 +151,12 @@ class OffloadEngine(Engine):
         off, cfg, b = self.offload, self.config, self.block_size
         assert off is not None
         dims = (len(self.pool.layers), cfg.num_kv_heads, cfg.head_dim, b)
+        fp = off.first_pass  # the int8 copy of K (compact first pass) counts in the pool's size
         if off.cpu_kv_gb is not None:
-            return CpuKVPool.from_gib(off.cpu_kv_gb, *dims)
+            return CpuKVPool.from_gib(off.cpu_kv_gb, *dims, first_pass=fp)
         if off.cpu_kv_tokens is not None:
-            return CpuKVPool.from_tokens(off.cpu_kv_tokens, *dims)
-        return CpuKVPool(*dims, self.max_batch_size * (self.max_seq_len // b + 1))
+            return CpuKVPool.from_tokens(off.cpu_kv_tokens, *dims, first_pass=fp)
+        return CpuKVPool(*dims, self.max_batch_size * (self.max_seq_len // b + 1), first_pass=fp)
 
     # -- sizes ----------------------------------------------------------------------------------
     def budget_for(self, prefix: int) -> int:

@@ -37,6 +37,7 @@ from herald.kv.pinned import PinnedStaging, copy_to_host
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.models.base import BlockDiffusionLM, DecoderLayer
+from herald.offload.selection.compact_cpu import compact_args, select_topk_compact
 from herald.offload.selection.cpu import select_topk
 
 
@@ -263,7 +264,9 @@ class RetrievalWorker:
         t1 = time.perf_counter()
         # The kernel gathers the selected K/V rows into the staging itself (gather_out), each
         # (request, KV head) as soon as its top-k is known: no separate gather pass.
-        res = select_topk(
+        # first_pass="int8" (the pool keeps an int8 copy of K): the compact pass, same indices.
+        compact = compact_args(self.cpu_pool, pl)
+        res = (select_topk_compact if compact else select_topk)(
             q_cpu,
             kp,
             vp,
@@ -274,6 +277,7 @@ class RetrievalWorker:
             output_mode=self.output_mode,
             num_threads=self.num_threads,
             gather_out=out,
+            **compact,
         )
         t2 = time.perf_counter()
         if not job.num_selected:

@@ -28,6 +28,16 @@ MODES = {
         "mage", kv_budget=1.0, selection_device="cpu", output_mode="selected", selection_threads=2
     ),
     "infinigen": OffloadConfig.for_mode("infinigen", kv_budget=1.0),
+    # the compact first pass (int8 copy of K): every representative-query mode
+    "herald-int8": OffloadConfig.for_mode(
+        "herald", kv_budget=1.0, selection_threads=2, first_pass="int8"
+    ),
+    "herald-full-int8": OffloadConfig.for_mode(
+        "herald", kv_budget=1.0, output_mode="full", selection_threads=2, first_pass="int8"
+    ),
+    "rep-no-lookahead-selected-int8": OffloadConfig.for_mode(
+        "herald", lookahead="off", kv_budget=1.0, selection_threads=2, first_pass="int8"
+    ),
 }
 
 
