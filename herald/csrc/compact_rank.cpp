@@ -48,16 +48,17 @@ int CompactSelection::exact_pass(const CItem& it, CBuf& b, int n2, bool bounded,
 }
 
 // The certificate (compact.py: certify) over nc ranked candidates and n2 - nc tail rows whose
-// intervals are in lo / hi [q][i]. On CERTIFIED, b.tmp[0, k) holds the selected candidates'
-// indices ascending.
-int CompactSelection::certify(const CItem& it, CBuf& b, int nc, int n2, double theta) const {
+// intervals are in lo / hi [q][i]; theta / eta: the exact kernel's slack per term / per row
+// normaliser. On CERTIFIED, b.tmp[0, k) holds the selected candidates' indices ascending.
+int CompactSelection::certify(const CItem& it, CBuf& b, int nc, int n2, double theta,
+                              double eta) const {
   for (int q = 0; q < Qn_; ++q) {
     float* elo = b.e1 + q * ld_;
     float* ehi = b.e2 + q * ld_;
     ck_.exp_bounds(b.lo + q * ld_, n2, b.shift[q], 0, elo);
     ck_.exp_bounds(b.hi + q * ld_, n2, b.shift[q], 1, ehi);
-    b.zlo[q] = (ck_.sum_where(elo, nullptr, n2) + b.rlo[q]) * (1.0 - kRel);
-    b.zhi[q] = (ck_.sum_where(ehi, nullptr, n2) + b.rhi[q]) * (1.0 + kRel);
+    b.zlo[q] = (ck_.sum_where(elo, nullptr, n2) + b.rlo[q]) * (1.0 - kRel) * (1.0 - eta);
+    b.zhi[q] = (ck_.sum_where(ehi, nullptr, n2) + b.rhi[q]) * (1.0 + kRel) * (1.0 + eta);
   }
   for (int i = 0; i < nc; ++i) {  // ranking keys: importance at the normalisers' midpoints
     double v = 0.0;
@@ -145,14 +146,14 @@ void CompactSelection::output(const CItem& it, CBuf& b, int nc, int n2, bool all
 int CompactSelection::item(const CItem& it, CBuf& b) {
   if (!prep_query(it, b)) return HERALD_COMPACT_NONFINITE;
   const bool all = it.k >= it.R;
-  double theta = 0.0;
+  double theta = 0.0, eta = 0.0;
   int nc = it.R;
   if (all) {
     for (int s = 0; s < it.S; ++s) b.cpos[s] = s;
     for (int s = 0; s < it.R; ++s) b.cand[s] = 1;
   } else {
-    if (!first_pass(it, b, &theta)) return HERALD_COMPACT_NONFINITE;
-    nc = candidates(it, b, theta);
+    if (!first_pass(it, b, &theta, &eta)) return HERALD_COMPACT_NONFINITE;
+    nc = candidates(it, b, theta, eta);
   }
   const int n2 = nc + (it.S - it.R);
   const int64_t rh = static_cast<int64_t>(it.r) * a_.num_kv_heads + it.h;
@@ -163,7 +164,7 @@ int CompactSelection::item(const CItem& it, CBuf& b) {
     std::memset(mask + it.R, 0, static_cast<size_t>(a_.s_max - it.R));
   }
   int st = exact_pass(it, b, n2, !all, a_.check_bounds != 0);
-  if (st == HERALD_COMPACT_CERTIFIED && !all) st = certify(it, b, nc, n2, theta);
+  if (st == HERALD_COMPACT_CERTIFIED && !all) st = certify(it, b, nc, n2, theta, eta);
   if (st == HERALD_COMPACT_CERTIFIED) output(it, b, nc, n2, all);
   return st;
 }

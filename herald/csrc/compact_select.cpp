@@ -118,8 +118,9 @@ bool CompactSelection::prep_query(const CItem& it, CBuf& b) const {
   return true;
 }
 
-// Pass 1 over the int8 pages: lo / hi, the row shifts, and the kernel's theta.
-bool CompactSelection::first_pass(const CItem& it, CBuf& b, double* theta) const {
+// Pass 1 over the int8 pages: lo / hi, the row shifts, and the exact kernel's rounding slack:
+// theta per importance term, eta per row normaliser (compact.py: kernel_slack).
+bool CompactSelection::first_pass(const CItem& it, CBuf& b, double* theta, double* eta) const {
   const int64_t slab = static_cast<int64_t>(P_) * D_;
   int bad = 0;
   float smax = 0.0f;
@@ -151,13 +152,14 @@ bool CompactSelection::first_pass(const CItem& it, CBuf& b, double* theta) const
     l1max = std::max(l1max, l1);
   }
   const double span = 2.0 * a_.scale * l1max * 127.0 * smax * 1.01;
-  *theta = gamma_n(it.S + Qn_ + 64.0) + 4.0 / 1048576.0 + 4.0 * kU * span;
+  *theta = gamma_n(Qn_ + 8.0) + 4.0 / 1048576.0 + 4.0 * kU * span;
+  *eta = gamma_n(2.0 * it.S + Qn_ + 320.0) + 4.0 / 1048576.0 + 4.0 * kU * span;
   return true;
 }
 
 // Importance bounds, tau, the candidate mask and list (ranked candidates, then the tail);
 // also the other positions' normaliser sums. Returns the number of ranked candidates.
-int CompactSelection::candidates(const CItem& it, CBuf& b, double theta) const {
+int CompactSelection::candidates(const CItem& it, CBuf& b, double theta, double eta) const {
   for (int q = 0; q < Qn_; ++q) {
     float* elo = b.e1 + q * ld_;
     float* ehi = b.e2 + q * ld_;
@@ -169,8 +171,8 @@ int CompactSelection::candidates(const CItem& it, CBuf& b, double theta) const {
     b.inv_zhi[q] = static_cast<float>(1.0 / zhi);
   }
   ck_.importance_bounds(b.e1, b.e2, ld_, Qn_, it.R, b.inv_zhi, b.zlo_f, b.il, b.iu);
-  const float fl = static_cast<float>((1.0 - theta) * (1.0 - kRel) * (1.0 - kRel));
-  const float fu = static_cast<float>((1.0 + theta) * (1.0 + kRel) * (1.0 + kRel));
+  const float fl = static_cast<float>((1.0 - theta) * (1.0 - kRel) * (1.0 - kRel) / (1.0 + eta));
+  const float fu = static_cast<float>((1.0 + theta) * (1.0 + kRel) * (1.0 + kRel) / (1.0 - eta));
   const float ab = static_cast<float>(Qn_ * kAbs);
   for (int s = 0; s < it.R; ++s) {
     b.il[s] = std::max(0.0f, b.il[s] * fl - ab);

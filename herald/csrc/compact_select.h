@@ -62,10 +62,10 @@ class CompactSelection {
   }
   int item(const CItem& it, CBuf& b);
   bool prep_query(const CItem& it, CBuf& b) const;
-  bool first_pass(const CItem& it, CBuf& b, double* theta) const;
-  int candidates(const CItem& it, CBuf& b, double theta) const;
+  bool first_pass(const CItem& it, CBuf& b, double* theta, double* eta) const;
+  int candidates(const CItem& it, CBuf& b, double theta, double eta) const;
   int exact_pass(const CItem& it, CBuf& b, int n2, bool bounded, bool check) const;
-  int certify(const CItem& it, CBuf& b, int nc, int n2, double theta) const;
+  int certify(const CItem& it, CBuf& b, int nc, int n2, double theta, double eta) const;
   void output(const CItem& it, CBuf& b, int nc, int n2, bool all) const;
 
   const herald_compact_args& a_;

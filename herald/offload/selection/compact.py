@@ -27,7 +27,8 @@ Bounds (every score of KV head h, query row x, key k_j, c = float32(head_dim ** 
   / ``Z_hi`` their sums over all S positions (tail included), the softmax probability of
   position s lies in ``[e_lo_s / Z_hi, e_hi_s / (Z_lo - e_lo_s + e_hi_s)]`` (p = e / (e + rest)
   grows with e and rest >= Z_lo - e_lo_s). The kernel's own importance is that of its float32
-  scores times ``1 +- theta`` (its exp, normaliser and sums: :func:`kernel_theta`) plus an
+  scores with each term off by ``1 +- theta`` (its exps and products) and each row's normaliser
+  off by one common ``1 +- eta`` (its sum over every key: :func:`kernel_slack`), plus an
   absolute ``ABS_SLACK`` per row (underflow). Summed over the query rows: ``IL_s <= imp_s <=
   IU_s`` for the real importance and for the kernel's alike.
 * candidates: ``tau`` = the k-th largest IL over the ranked positions; position s is kept iff
@@ -121,41 +122,51 @@ def exact_score_bounds(
     return score, score - err, score + err
 
 
-def kernel_theta(seq_len: int, rows: int, lo: torch.Tensor, hi: torch.Tensor) -> float:
-    """Relative error of the exact kernel's importance given its float32 scores: its exps
-    (<= 2 ulp each, arguments rounded within the score range), the normaliser and the row sums
-    (any order: gamma of the term count), the page/tile merges; 2**-20 per exp covers ~16 ulp."""
+def kernel_slack(
+    seq_len: int, rows: int, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[float, float]:
+    """(theta, eta): relative errors of the exact kernel's importance given its float32 scores.
+    theta, per term: the exps of the score and of the page max (<= 2 ulp each; 2**-20 covers ~16)
+    with arguments rounded within the score range, the products, the sum over the query rows.
+    eta, per row and common to all its terms (one 1/l per row in the kernel, one softmax sum in
+    PyTorch): the normaliser's sum, where a term passes at most the additions of its page, of the
+    pages (together <= 2 S) and of up to 256 tiles, plus the page maxima's exps."""
     span = float((hi.amax(dim=-1) - lo.amin(dim=-1)).max()) if lo.numel() else 0.0
-    return gamma(seq_len + rows + 64) + 4 * 2.0**-20 + 4 * U * span
+    theta = gamma(rows + 8) + 4 * 2.0**-20 + 4 * U * span
+    eta = gamma(2 * seq_len + rows + 320) + 4 * 2.0**-20 + 4 * U * span
+    return theta, eta
 
 
 @dataclass
 class ItemBounds:
     """First-pass result of one (request, KV head): shift, per-position exps, normaliser bounds,
-    candidate mask over the ranked positions and the kernel's theta."""
+    candidate mask over the ranked positions and the kernel's slack (:func:`kernel_slack`)."""
 
     shift: torch.Tensor  # [Qn]
     e_lo: torch.Tensor  # [Qn, S]
     e_hi: torch.Tensor
     candidates: torch.Tensor  # [R] bool
     theta: float
+    eta: float
 
 
 def candidate_set(lo: torch.Tensor, hi: torch.Tensor, ranked: int, k: int) -> ItemBounds:
     """Importance bounds from score bounds ``[Qn, S]`` and the candidate mask (module docstring).
     ``k`` in ``[1, ranked)``."""
     rows, seq = lo.shape
-    theta = kernel_theta(seq, rows, lo, hi)
+    theta, eta = kernel_slack(seq, rows, lo, hi)
     shift = hi.amax(dim=-1, keepdim=True)
     e_lo = torch.exp(lo - shift) * (1 - REL_SLACK)
     e_hi = torch.exp(hi - shift) * (1 + REL_SLACK)
     z_lo = e_lo.sum(dim=-1, keepdim=True) * (1 - REL_SLACK)
     z_hi = e_hi.sum(dim=-1, keepdim=True) * (1 + REL_SLACK)
-    il = (e_lo[:, :ranked] / z_hi).sum(dim=0) * (1 - theta) * (1 - REL_SLACK) - rows * ABS_SLACK
+    f_lo = (1 - theta) * (1 - REL_SLACK) / (1 + eta)
+    f_hi = (1 + theta) * (1 + REL_SLACK) / (1 - eta)
+    il = (e_lo[:, :ranked] / z_hi).sum(dim=0) * f_lo - rows * ABS_SLACK
     denom = z_lo - e_lo[:, :ranked] + e_hi[:, :ranked]
-    iu = (e_hi[:, :ranked] / denom).sum(dim=0) * (1 + theta) * (1 + REL_SLACK) + rows * ABS_SLACK
+    iu = (e_hi[:, :ranked] / denom).sum(dim=0) * f_hi + rows * ABS_SLACK
     tau = torch.topk(il, k, sorted=True).values[-1]
-    return ItemBounds(shift.squeeze(1), e_lo, e_hi, iu >= tau, theta)
+    return ItemBounds(shift.squeeze(1), e_lo, e_hi, iu >= tau, theta, eta)
 
 
 def certify(
@@ -262,8 +273,10 @@ def select_item(
         ce_hi = torch.exp(shi - m) * (1 + REL_SLACK)
         rest = torch.ones(ranked, dtype=torch.bool)
         rest[cand] = False
+        # the row normalisers, with the kernel's own normaliser error (eta) folded in
         z_lo = (ce_lo.sum(dim=1) + ib.e_lo[:, :ranked][:, rest].sum(dim=1)) * (1 - REL_SLACK)
         z_hi = (ce_hi.sum(dim=1) + ib.e_hi[:, :ranked][:, rest].sum(dim=1)) * (1 + REL_SLACK)
+        z_lo, z_hi = z_lo * (1 - ib.eta), z_hi * (1 + ib.eta)
         nc = len(cand)
         order, status = certify(ce_lo[:, :nc], ce_hi[:, :nc], z_lo, z_hi, k, ib.theta)
         if order is None:
