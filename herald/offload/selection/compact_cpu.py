@@ -321,6 +321,36 @@ def _native(
     return SelectionResult(indices, num, out), ncand, status
 
 
+def compact_pass(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    budget_tokens: torch.Tensor,
+    *,
+    k8_pages: torch.Tensor,
+    scale_pages: torch.Tensor,
+    tail_lens: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    isa: str | None = None,
+    candidates_out: torch.Tensor | None = None,
+) -> tuple[SelectionResult, compact.CompactStats]:
+    """The native pass alone, without the exact fallback (measurement): its result, defined for
+    the (request, KV head) items whose status is CERTIFIED, and its stats. RuntimeError without
+    the native library."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("native selection library unavailable")
+    exact_args = (q, k_pages, v_pages, page_table, seq_lens, budget_tokens)
+    sh = check_selection_inputs(*exact_args, "selected", False, tail_lens=tail_lens)
+    res, ncand, status = _native(
+        lib, sh, exact_args, k8_pages, scale_pages, tail_lens, num_threads, (True, 1.0, isa),
+        candidates_out,
+    )  # fmt: skip
+    return res, compact.CompactStats(ncand, status, bool((status != compact.CERTIFIED).any()))
+
+
 def exp_bound_error(isa: str = "auto", stride: int = 1) -> tuple[float, float]:
     """(largest relative error of the native pass's exp, largest wrong-side excess of its
     bounds: must be < 0) over every ``stride``-th float32 in [-104, 0]."""
