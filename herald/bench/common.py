@@ -80,6 +80,22 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append one ``{"kind": "run", machine, code, command}`` line, then ``records``, to the
+    JSON-lines file ``path`` (directories created): every record stays traceable to the run,
+    machine and code that measured it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = {
+        "kind": "run",
+        "machine": machine_info(),
+        "code": code_version(),
+        "command": command_line(),
+    }
+    with path.open("a") as f:
+        for rec in (head, *records):
+            f.write(json.dumps(rec) + "\n")
+
+
 def cap_gpu_memory(gb: float | None) -> None:
     """Emulate a smaller GPU: limit this process's CUDA caching allocator to ``gb`` GB (1e9 B)."""
     if gb is None or not torch.cuda.is_available():

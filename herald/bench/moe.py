@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from herald.bench.common import append_jsonl
 from herald.layers.moe import SparseMoE, experts_grouped_mm
 from herald.layers.moe_triton import DOWN_CONFIG, GATE_UP_CONFIG, TileConfig, experts_fused
 
@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         + "; ".join(f"{r['config']} {r['ms']:.3f}" for r in best)
                     )
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        with (a.out / "moe.jsonl").open("a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(a.out / "moe.jsonl", records)
     return 0
 
 

@@ -14,13 +14,13 @@ same process (``HERALD_TRITON``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from herald.bench.common import append_jsonl
 from herald.config import EngineConfig, SamplingParams
 from herald.engines import MODES, build_engine, offload_for_mode
 from herald.env import overridden
@@ -110,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        with (a.out / "prefill.jsonl").open("a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(a.out / "prefill.jsonl", records)
     return 0
 
 

@@ -28,13 +28,4 @@ for tree in "${trees[@]}"; do
             --out "$dir") 2>&1 | tail -4
     done
 done
-python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
-import json, pathlib, sys
-for d in sorted(pathlib.Path(sys.argv[1]).glob("points_*")):
-    for line in (d / "throughput.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.get("kind") == "point":
-            print(f"{d.name:28s} {r['variant']:16s} bs {r['batch']:3d} {r['status']:6s} "
-                  f"{r.get('decode_tokens_per_s', 0):8.1f} tok/s  fwd "
-                  f"{1e3 * (r.get('forward_median_s') or 0):6.2f} ms  {r['time_utc']}")
-PY
+python3 "$(dirname "$0")/ab_summary.py" "$OUT" "points_*" | tee "$OUT/ab_summary.txt"

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Dense and HERALD throughput points with herald's Triton kernels off and on (HERALD_TRITON), in one run on the
-# device machine: LLaDA2.0-mini 32K at the 80 GB cap, dense bs 32 and HERALD `selected` bs 80.
+# Dense and HERALD throughput points with herald's Triton kernels off and on (HERALD_TRITON), in
+# one run on the device machine: LLaDA2.0-mini 32K at the 80 GB cap, dense bs 32 and HERALD
+# `selected` bs 80.
 #
 #   scripts/device/forward_ab.sh [POINT ...]      POINT: "MODE BATCH", e.g. "dense 32"
 #
-# Each HERALD_TRITON value's points (TRITON_VALUES, default "0 auto") go to $OUT/triton_<value>/ (throughput.jsonl, README.md); the summary
-# (tok/s, forward median per variant and point) is printed and written to $OUT/ab_summary.txt.
+# Each HERALD_TRITON value's points (TRITON_VALUES, default "0 auto") go to
+# $OUT/triton_<value>/ (throughput.jsonl, README.md); the summary (tok/s, forward median per
+# variant and point) is printed and written to $OUT/ab_summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,13 +20,4 @@ for spec in "${points[@]}"; do
             --out "$OUT/triton_$triton" 2>&1 | tail -3
     done
 done
-python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
-import json, pathlib, sys
-for d in sorted(pathlib.Path(sys.argv[1]).glob("triton_*")):
-    for line in (d / "throughput.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.get("kind") == "point":
-            print(f"{d.name:10s} {r['variant']:16s} bs {r['batch']:3d} {r['status']:6s} "
-                  f"{r.get('decode_tokens_per_s', 0):8.1f} tok/s  fwd "
-                  f"{1e3 * (r.get('forward_median_s') or 0):6.2f} ms  {r['time_utc']}")
-PY
+python3 "$(dirname "$0")/ab_summary.py" "$OUT" "triton_*" | tee "$OUT/ab_summary.txt"
