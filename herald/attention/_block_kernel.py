@@ -42,28 +42,14 @@ def block_attention(
     kvh = tl.program_id(1)
     t0 = tl.program_id(2) * QT
     p = tl.load(prefix_ptr + row)
-    # Visible keys of this tile's queries: [0, lo_end) and [hi_start, hi_end).
-    lo_end = p + L
-    hi_start = p * 0
-    hi_end = p * 0
-    if DRAFT_B > 0:
-        draft = t0 >= DRAFT_B  # the tile is the draft group: prefix + the draft rows only
-        lo_end = tl.where(draft, p, p + DRAFT_B)  # the block: prefix + block, as a plain step
-        hi_start = tl.where(draft, p + DRAFT_B, 0)
-        hi_end = tl.where(draft, p + 2 * DRAFT_B, 0)
-    if CAUSAL_B > 0:
-        lo_end = p + (t0 // CAUSAL_B + 1) * CAUSAL_B  # earlier blocks and the tile's own block
+    lo_end, hi_start, hi_end = _visible_keys(p, t0, L, DRAFT_B, CAUSAL_B)
     loop_end = tl.maximum(lo_end, hi_end)
 
     offs_m = tl.arange(0, QT * G)  # folded query rows: position-major, then head in group
     pos = t0 + offs_m // G
     head = kvh * G + offs_m % G
     offs_d = tl.arange(0, D)
-    q_ptrs = (
-        q_ptr + row.to(tl.int64) * stride_qb + pos[:, None] * stride_ql
-        + head[:, None] * stride_qh + offs_d[None, :]
-    )  # fmt: skip
-    q = tl.load(q_ptrs)
+    q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
     slot = (slot_offset + row).to(tl.int64)
     k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
@@ -95,8 +81,32 @@ def block_attention(
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         m_i = m_new
     out = acc / l_i[:, None]
-    o_ptrs = (
-        o_ptr + row.to(tl.int64) * stride_ob + pos[:, None] * stride_ol
-        + head[:, None] * stride_oh + offs_d[None, :]
-    )  # fmt: skip
+    o_ptrs = _rows(o_ptr, row, pos, head, offs_d, stride_ob, stride_ol, stride_oh)
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _visible_keys(p, t0, L: tl.constexpr, DRAFT_B: tl.constexpr, CAUSAL_B: tl.constexpr):
+    """Keys a tile starting at query position ``t0`` sees: ``[0, lo_end)`` and
+    ``[hi_start, hi_end)``, for a row with ``p`` rows already in its store."""
+    lo_end = p + L
+    hi_start = p * 0
+    hi_end = p * 0
+    if DRAFT_B > 0:
+        draft = t0 >= DRAFT_B  # the tile is the draft group: prefix + the draft rows only
+        lo_end = tl.where(draft, p, p + DRAFT_B)  # the block: prefix + block, as a plain step
+        hi_start = tl.where(draft, p + DRAFT_B, 0)
+        hi_end = tl.where(draft, p + 2 * DRAFT_B, 0)
+    if CAUSAL_B > 0:
+        lo_end = p + (t0 // CAUSAL_B + 1) * CAUSAL_B  # earlier blocks and the tile's own block
+    return lo_end, hi_start, hi_end
+
+
+@triton.jit
+def _rows(base, row, pos, head, offs_d, stride_b, stride_l, stride_h):
+    """Pointers to the folded rows (position, head) of batch row ``row`` of a [bs, L, H, D]
+    tensor."""
+    return (
+        base + row.to(tl.int64) * stride_b + pos[:, None] * stride_l
+        + head[:, None] * stride_h + offs_d[None, :]
+    )  # fmt: skip
