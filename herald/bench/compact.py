@@ -159,8 +159,8 @@ def cmd_capture(cfg: argparse.Namespace) -> dict[str, Any]:
     import inspect
     import typing
 
+    from herald.bench.capture import capture_dense
     from herald.config import SamplingParams
-    from herald.eval.recall_capture import capture_dense
     from herald.models.loader import load_model
 
     torch.manual_seed(0)

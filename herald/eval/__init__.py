@@ -13,7 +13,7 @@ Map:
 - :mod:`herald.eval.metrics`: output post-processing, exact match, edit similarity.
 - :mod:`herald.eval.runner`: one "unit" = one (task, context, mode, budget) run through an engine.
 - :mod:`herald.eval.recall`: Fig. 7 / Fig. 9 analogs from data captured on a dense run
-  (:mod:`herald.eval.recall_capture`).
+  (:mod:`herald.bench.capture`).
 - :mod:`herald.eval.report`: merged results JSON, README and plots; its parts:
   :mod:`herald.eval.summary` (Table I numbers), :mod:`herald.eval.acceptance`,
   :mod:`herald.eval.stats` (bootstrap intervals), :mod:`herald.eval.report_markdown`,

@@ -1,6 +1,6 @@
 """Selection recall against the per-step oracle: analogs of the paper's Fig. 7 and Fig. 9.
 
-Data (:mod:`herald.eval.recall_capture`): one dense decode per example
+Data (:mod:`herald.bench.capture`): one dense decode per example
 (:class:`~herald.engine.dense.DenseEngine`, eager, batch 1) with a recorder wrapped around the
 engine's attention backend, the pattern of the offload engine's ``_QueryRecorder``: every
 forward's post-RoPE q/k/v of every layer is kept. From them: the committed KV of the prompt and
@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
+from herald.bench.capture import Capture, RecordedForward, capture_dense
 from herald.config import SamplingParams
-from herald.eval.recall_capture import Capture, RecordedForward, capture_dense
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 

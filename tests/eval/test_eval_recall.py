@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from herald.bench.capture import capture_dense
 from herald.config import SamplingParams
 from herald.eval.recall import (
     VARIANTS,
@@ -19,7 +20,6 @@ from herald.eval.recall import (
     summarise,
     topk_mask,
 )
-from herald.eval.recall_capture import capture_dense
 from herald.models.registry import build_model, get_preset
 
 
