@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MAX_SEQ_LEN, MODEL, TIMEOUT, LiveServer, Offline
+from conftest import API_KEY, MAX_SEQ_LEN, MODEL, TIMEOUT, LiveServer, Offline
 
 import herald
 from herald import env
@@ -386,3 +386,18 @@ def test_chat_logprobs(client: httpx.Client) -> None:
     streamed = [e for p in parts if p["choices"][0]["logprobs"]
                 for e in p["choices"][0]["logprobs"]["content"]]  # fmt: skip
     assert streamed == own["choices"][0]["logprobs"]["content"]
+
+
+def test_too_many_prompts_and_the_key_on_tokenizer_routes(
+    client: httpx.Client, server: LiveServer, small_server: LiveServer
+) -> None:
+    limit = server.state.max_prompts
+    assert limit is not None
+    r = client.post("/v1/completions", json={"prompt": [[1]] * (limit + 1), "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    with httpx.Client(base_url=small_server.url, timeout=TIMEOUT) as c:
+        for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert c.post(route, json=body).status_code == 401
+            ok = c.post(route, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+            assert ok.status_code == 200, ok.text
+        assert c.get("/version").status_code == 200  # open, as /health
