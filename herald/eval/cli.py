@@ -31,7 +31,14 @@ from herald.config import resolve_device
 from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
 from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
-from herald.eval.tasks import LINE_SETTINGS, TASKS, TaskConfig
+from herald.eval.tasks import (
+    DEFAULT_TASKS,
+    LINE_SETTINGS,
+    TASK_GROUPS,
+    TASKS,
+    TaskConfig,
+    prompt_tokens,
+)
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -42,6 +49,13 @@ def _part(text: str) -> tuple[int, int]:
     if not 1 <= k <= n:
         raise argparse.ArgumentTypeError(f"--part K/N needs 1 <= K <= N, got {text!r}")
     return k, n
+
+
+TASK_HELP = (
+    "tasks, several allowed: line (next-line completion), recall (identifier recall), the "
+    "RULER-style niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt (variable "
+    "tracking), cwe (common words); ruler = all six"
+)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -62,7 +76,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--report", action="store_true", help="only rewrite the report from --out")
-    add_list(p, "--task", choices=TASKS, default=list(TASKS), help="tasks, several allowed")
+    add_list(
+        p, "--task", "--tasks", choices=[*TASKS, *TASK_GROUPS], default=list(DEFAULT_TASKS),
+        help=TASK_HELP,
+    )  # fmt: skip
     add_list(
         p,
         "--contexts",
@@ -211,10 +228,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         num_examples=args.analysis_examples,
     )
     for task in args.task:  # a prompt and its answer blocks must fit the model's positions
-        blocks = dcfg.line_blocks if task == "line" else dcfg.recall_blocks
+        blocks = dcfg.answer_blocks(task)
         limit = config.max_position_embeddings - (blocks + 2) * config.block_size
         limit = limit // config.block_size * config.block_size
-        too_long = [c for c in args.contexts if c > limit]
+        too_long = [c for c in args.contexts if prompt_tokens(task, c, tcfg) > limit]
         if too_long:
             raise ValueError(
                 f"--contexts {too_long[0]}: the {task} task fits at most {limit} prompt tokens "

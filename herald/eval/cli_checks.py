@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from herald.eval.runner import Unit
-from herald.eval.tasks import TaskConfig
+from herald.eval.tasks import TASK_FIELDS, TASK_GROUPS, TaskConfig
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every flag checked before the model loads or --out is touched (errors name the flag)."""
+    """Every flag checked before the model loads or --out is touched (errors name the flag).
+    Expands the ``--task`` groups (``ruler``)."""
     args.contexts = list(dict.fromkeys(args.contexts))  # a repeated context would run twice
+    tasks = [t for name in args.task for t in TASK_GROUPS.get(name, (name,))]
+    args.task = list(dict.fromkeys(tasks))
     positive = {
         "--num-examples": args.num_examples,
         "--batch-size": args.batch_size,
@@ -86,7 +89,7 @@ def exclusions(
             raise ValueError(f"--exclude-examples {path}: no such file")
         try:
             sel = json.loads(path.read_text())
-            pairs = {(e["file"], e["target"]) for e in sel["examples"]}
+            pairs = {(e.get("file", ""), e["target"]) for e in sel["examples"]}
             task, digest = sel["task"], sel["selection_sha256"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
@@ -129,10 +132,18 @@ RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples", "exclude_
 """Settings a unit already under --out must share with this command to be skipped (the device
 may differ: parts of one evaluation can run on different machines)."""
 OTHER_TASK_KEYS = {
-    "line": ("min_distance", "distance_margin"),
-    "recall": ("infile_tokens", "min_package_chars", "line_setting"),
+    task: tuple(sorted({k for keys in TASK_FIELDS.values() for k in keys} - set(own)))
+    for task, own in TASK_FIELDS.items()
 }
 """Task settings that do not change a unit of this task (not compared on resume)."""
+ANSWER_BLOCK_KEYS = ("line_blocks", "recall_blocks", "ruler_blocks")
+"""The decode settings of each task's answer length: the others' do not change a unit."""
+
+
+def other_decode_keys(task: str) -> tuple[str, ...]:
+    """The answer-length settings of the other tasks (not compared on resume)."""
+    own = {"line": "line_blocks", "recall": "recall_blocks"}.get(task, "ruler_blocks")
+    return tuple(k for k in ANSWER_BLOCK_KEYS if k != own)
 
 
 def check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
@@ -154,7 +165,11 @@ def check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
                     diff.append(f"{key}.{u.task}: {was.get(u.task)} -> {new[key].get(u.task)}")
                 continue
             if isinstance(old[key], dict) and isinstance(new[key], dict):
-                skip = OTHER_TASK_KEYS.get(u.task, ()) if key == "tasks" else ()
+                skip: tuple[str, ...] = ()
+                if key == "tasks":
+                    skip = OTHER_TASK_KEYS.get(u.task, ())
+                elif key == "decode":
+                    skip = other_decode_keys(u.task)
                 diff += [
                     f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
                     for k in sorted(old[key].keys() | new[key].keys())

@@ -6,12 +6,19 @@ SequenceMatcher finds. It is close to, but not always equal to, the normalised I
 that LongBench's RepoBench-P scorer (fuzzywuzzy / rapidfuzz ``ratio``) reports: SequenceMatcher
 finds matching blocks greedily (longest first), not a longest common subsequence. difflib is used
 because it is present wherever Python is (rapidfuzz is not installed on the GPU machine).
+
+The RULER-style tasks (:mod:`herald.eval.ruler_formats`) predict the completion's first line and
+score exact match by each task's rule (``exact``, ``ordered`` or ``set`` over comma-separated
+items, :func:`ruler_items`); their edit similarity compares the normalised forms (the items
+joined with ``", "``, sorted for ``set`` tasks).
 """
 
 from __future__ import annotations
 
 import re
 from difflib import SequenceMatcher
+
+from herald.eval.ruler_formats import ANSWER_RULE, RULER_TASKS
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -41,18 +48,48 @@ def first_identifier(completion: str) -> str:
     return m.group(0) if m else ""
 
 
+def answer_line(completion: str) -> str:
+    """A RULER-style prediction: the completion's text before its first line break, stripped
+    (the prompt ends with ``# Answer:``, so the answer follows on the same line)."""
+    return completion.split("\n", 1)[0].strip()
+
+
+def ruler_items(text: str) -> list[str]:
+    """The comma-separated items of an answer line, each stripped, empty ones dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def predict(task: str, completion: str) -> str:
-    """The prediction of ``task`` (``line`` or ``recall``) from a decoded completion."""
+    """The prediction of ``task`` (``line``, ``recall`` or a RULER-style task) from a decoded
+    completion."""
     if task == "line":
         return first_line(completion)
     if task == "recall":
         return first_identifier(completion)
+    if task in RULER_TASKS:
+        return answer_line(completion)
     raise ValueError(f"unknown task {task!r}")
+
+
+def _ruler_score(task: str, prediction: str, target: str) -> dict[str, float]:
+    rule = ANSWER_RULE[task]
+    got, want = ruler_items(prediction), ruler_items(target)
+    if rule == "exact":
+        em = prediction.strip() == target.strip()
+    elif rule == "ordered":
+        em = got == want
+    else:  # set: every expected item once, nothing else, any order
+        em = sorted(got) == sorted(want)
+        got, want = sorted(got), sorted(want)
+    return {"em": float(em), "es": edit_similarity(", ".join(got), ", ".join(want))}
 
 
 def score(task: str, prediction: str, target: str) -> dict[str, float]:
     """``{"em": 0/1, "es": [0, 1]}``. Lines compare with surrounding whitespace stripped
-    (indentation is not scored, as in RepoBench); identifiers compare exactly."""
+    (indentation is not scored, as in RepoBench); identifiers compare exactly; the RULER-style
+    tasks by their rule (module docstring)."""
+    if task in RULER_TASKS:
+        return _ruler_score(task, prediction, target)
     if task == "line":
         prediction, target = prediction.strip(), target.strip()
     return {
@@ -61,6 +98,6 @@ def score(task: str, prediction: str, target: str) -> dict[str, float]:
     }
 
 
-HEADLINE = {"line": "es", "recall": "em"}
+HEADLINE = {"line": "es", "recall": "em", **{task: "em" for task in RULER_TASKS}}
 """The metric of each task that enters the Table I average (x100): edit similarity for line
-completion (LongBench reports RepoBench-P as edit similarity), exact match for recall."""
+completion (LongBench reports RepoBench-P as edit similarity), exact match for the others."""

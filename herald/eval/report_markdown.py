@@ -31,9 +31,31 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+_RULER_TEXT = {
+    "niah_single": "one `# magic number for <key>: <value>` line hidden in standard-library files; answer its value",
+    "niah_multikey": "{multikey_keys} such lines with distinct keys, one asked; answer its value",
+    "niah_multivalue": "{multivalue_values} such lines with one key; answer every value, any order",
+    "niah_multiquery": "{multiquery_keys} such lines, all keys asked; answer the values in the order asked",
+    "vt": "variable tracking: {vt_chains} chains of {vt_hops} hops (`VAR_A = 12345`, `VAR_B = VAR_A`, ...); answer every name bound to the asked value, any order",
+    "cwe": "common words: a list of words, {cwe_common} of them {cwe_common_freq} times, the others {cwe_rare_freq}; answer the {cwe_common} common ones, any order",
+}
+
+
 def _task_text(task: str, cfg: dict[str, Any]) -> str:
     """One task's description for the report header, from the run's recorded settings."""
     tasks = cfg.get("tasks", {})
+    if task in _RULER_TEXT:
+        sizes = tasks.get("ruler", {})
+        try:
+            text = _RULER_TEXT[task].format(**sizes)
+        except KeyError:  # settings not recorded
+            text = _RULER_TEXT[task]
+        control = cfg.get("decode", {}).get("control_tokens", 512)
+        tail = "" if task == "cwe" else f"; no needle in the last {control} tokens"
+        return (
+            f"**{task}** = RULER-style, {text}{tail}; prompt <= context - "
+            f"{sizes.get('answer_tokens', '?')} tokens (headline = EM of the answer line)"
+        )
     if task == "line":
         return (
             "**line** = RepoBench-P-style next-line completion (cross-file context + in-file "

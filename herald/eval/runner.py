@@ -65,12 +65,18 @@ class DecodeConfig:
     """max_new_tokens = this many blocks for line completion."""
     recall_blocks: int = 1
     """max_new_tokens = this many blocks for identifier recall."""
+    ruler_blocks: int = 2
+    """max_new_tokens = this many blocks for the RULER-style tasks (their answer line)."""
     batch_size: int = 16
     control_tokens: int = 512
     selection_threads: int | None = None
 
+    def answer_blocks(self, task: str) -> int:
+        """Blocks decoded per example of ``task``."""
+        return {"line": self.line_blocks, "recall": self.recall_blocks}.get(task, self.ruler_blocks)
+
     def params(self, task: str, block_size: int) -> SamplingParams:
-        blocks = self.line_blocks if task == "line" else self.recall_blocks
+        blocks = self.answer_blocks(task)
         p = SamplingParams(
             max_new_tokens=blocks * block_size,
             temperature=0.0,

@@ -43,7 +43,7 @@ def select_examples(
     exs = build_examples(task, corpus, tokenizer, context, n_build, cfg)
     if drop:
         n_built = len(exs)
-        exs = [e for e in exs if (e.meta["file"], e.target) not in drop]
+        exs = [e for e in exs if (e.meta.get("file", ""), e.target) not in drop]
         print(
             f"{task} at {context}: {n_built - len(exs)} of {n_built} built examples "
             f"excluded (--exclude-examples)",

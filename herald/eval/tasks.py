@@ -1,6 +1,6 @@
 """Long-context examples built at run time from the standard library.
 
-Two tasks, both deterministic for a seed and a tokenizer:
+Every task is deterministic for a seed and a tokenizer:
 
 ``line`` (RepoBench-P style next-line completion)
     Pick a package (``email/``, ``asyncio/``, ...), a file of it and a target line. The prompt is
@@ -50,9 +50,19 @@ Two tasks, both deterministic for a seed and a tokenizer:
     filled, on the left, with related files (package siblings, or the modules a top-level file
     imports).
 
+RULER-style tasks (``niah_single``, ``niah_multikey``, ``niah_multivalue``, ``niah_multiquery``,
+``vt``, ``cwe``; :data:`RULER_TASKS`)
+    Needles (key -> value lines, variable chains) hidden at random depths in a haystack of
+    standard-library files, or a list of words to count; one question at the end, scored by exact
+    match. Formats and exact-match rules: :mod:`herald.eval.ruler_formats`; builder:
+    :mod:`herald.eval.ruler` (any text source); on the standard library:
+    :mod:`herald.eval.ruler_task`. A context of C tokens is the whole sequence, as in RULER: the
+    prompt holds at most C - ``RulerConfig.answer_tokens`` tokens (:func:`prompt_tokens`).
+
 Every example's ``meta`` records the files (path, sha256), line numbers and choices. This module
 holds the examples' types and :func:`build_examples`; the builders are :mod:`herald.eval.line_task`
-(its target lines: :mod:`herald.eval.line_targets`) and :mod:`herald.eval.recall_task`.
+(its target lines: :mod:`herald.eval.line_targets`), :mod:`herald.eval.recall_task` and
+:mod:`herald.eval.ruler_task`.
 """
 
 from __future__ import annotations
@@ -62,9 +72,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from herald.eval.ruler_formats import RULER_TASKS, RulerConfig
 from herald.eval.sources import Corpus, TextCodec
 
-TASKS = ("line", "recall")
+TASKS = ("line", "recall", *RULER_TASKS)
+DEFAULT_TASKS = ("line", "recall")
+"""The tasks ``herald eval`` runs when ``--task`` is not given."""
+TASK_GROUPS = {"ruler": RULER_TASKS}
+"""Names that ``--task`` expands to several tasks."""
 LINE_SETTINGS = ("cross_file_first", "cross_file_random", "cross_file_later")
 
 
@@ -105,10 +120,27 @@ class TaskConfig:
     name imported from another file of the package, absent from the control window
     (``cross_file_first``), a random line preferring such uses (``cross_file_random``), or a later
     use of such names, absent from the control window (``cross_file_later``)."""
+    ruler: RulerConfig = field(default_factory=RulerConfig)
+    """The RULER-style tasks' sizes."""
 
     def infile_cap(self, context: int) -> int:
         """line: tokens of in-file context at ``context``: ``infile_tokens``, at most half."""
         return max(1, min(self.infile_tokens, context // 2))
+
+
+TASK_FIELDS = {
+    "line": ("infile_tokens", "min_package_chars", "line_setting"),
+    "recall": ("min_distance", "distance_margin"),
+    **{task: ("ruler",) for task in RULER_TASKS},
+}
+"""The :class:`TaskConfig` fields each task reads besides ``seed`` and ``control_tokens`` (the
+others do not change its examples)."""
+
+
+def prompt_tokens(task: str, context: int, cfg: TaskConfig) -> int:
+    """The most prompt tokens ``task`` builds at ``context``: the context, less the RULER-style
+    tasks' ``answer_tokens``."""
+    return context - cfg.ruler.answer_tokens if task in RULER_TASKS else context
 
 
 def selection_hash(examples: list[Example]) -> str:
@@ -137,7 +169,8 @@ def build_examples(
 
     Raises:
         ValueError: unknown task, or ``context`` not above ``cfg.control_tokens`` /
-            ``cfg.min_distance + cfg.distance_margin`` (recall).
+            ``cfg.min_distance + cfg.distance_margin`` (recall), or a RULER-style task's
+            prompt budget not above ``cfg.control_tokens``.
     """
     for name in ("control_tokens", "infile_tokens", "min_distance"):
         if getattr(cfg, name) < 1:
@@ -153,4 +186,8 @@ def build_examples(
         from herald.eval.recall_task import build_recall
 
         return build_recall(corpus, codec, context, num_examples, cfg)
+    if task in RULER_TASKS:
+        from herald.eval.ruler_task import build_ruler
+
+        return build_ruler(task, corpus, codec, context, num_examples, cfg)
     raise ValueError(f"unknown task {task!r}; one of {TASKS}")
