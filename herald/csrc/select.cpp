@@ -17,6 +17,12 @@
 // otherwise the pages of all items are cut into one contiguous tile per thread, with barriers
 // between A, B and C (the pool's run() calls). A tile's B runs on the thread that ran its A, so
 // its e buffer is still in that core's cache.
+// Batch invariance: an item's results (importance bits, indices, outputs) do not depend on the
+// schedule, so not on which other requests share the call nor on the thread count. The row
+// statistics are summed page by page in position order whatever the cut; full mode's P @ V
+// keeps one partial per group of kGroupPages pages, tiles are cut on group boundaries, and the
+// partials are added in group order; the tiles' top-k merge is exact (same keys, same
+// tie rule: larger key, then lower position).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,9 +37,15 @@
 namespace herald {
 namespace {
 
+// Pages per P @ V partial (full mode): the unit of the fixed summation order (see above).
+constexpr int kGroupPages = 64;
+
+int groups_of(int pages) { return (pages + kGroupPages - 1) / kGroupPages; }
+
 struct Item {
   int r, h, S, R, npages, k;  // R = S - tail: ranked positions [0, R); k = min(budget, R)
   int u0 = 0, nu = 0;      // units of this item: [u0, u0 + nu)
+  int64_t goff = 0;        // tiles, full mode: first of this item's P @ V partials in go_
 };
 
 struct Unit {
@@ -48,6 +60,7 @@ struct Unit {
 // threads write rows[] in their inner loops, so neighbours in work_ must not share a line.
 struct alignas(64) Work {
   float *sbuf, *imp, *o, *wsel, *m, *l, *lsel;
+  float* gpart;  // whole items, full mode: the item's P @ V partials [groups][Qn][D]
   void *kt, *qprep, *pvscratch;
   uint16_t* qraw;
   uint32_t *topk, *mkeys;
@@ -86,6 +99,7 @@ class Selection {
   int rows_of(const Item& it, int pg) const { return pg == it.npages - 1 ? it.S - pg * P_ : P_; }
   void prefetch_slab(const uint16_t* p, int rows) const;
   bool scan(Unit& u, Work& w);
+  void item_stats(const Item& it, float* m, float* linv) const;
   void rank(Unit& u, Work& w);
   void finish(int item_index, Work& w);
   void gather(const Item& it, const int32_t* sel) const;
@@ -99,8 +113,8 @@ class Selection {
   std::vector<Unit> units_;
   std::vector<std::vector<int>> units_of_thread_;
   std::vector<int> order_;              // item order for the whole-item schedule
-  std::vector<float> um_, ul_;          // per unit, per row: max and sum relative to that max
-  std::vector<float> uo_;               // tiles, full mode: per unit P @ V partial [Qn][D]
+  std::vector<float> im_, il_;          // tiles: per item, per row: max and 1 / sum
+  std::vector<float> go_;               // tiles, full mode: P @ V partials [groups][Qn][D]
   std::vector<int32_t> cand_pos_;       // tiles: per unit top-k candidates
   std::vector<uint32_t> cand_key_;
   std::vector<Work> work_;
@@ -183,7 +197,8 @@ int Selection::plan(int T) {
       it.u0 = static_cast<int>(units_.size());
       for (int pg = 0; pg < it.npages;) {
         const int t = static_cast<int>((g + pg) / chunk);
-        const int end = static_cast<int>(std::min<int64_t>(it.npages, (t + 1) * chunk - g));
+        const int cut = static_cast<int>(std::min<int64_t>(it.npages, (t + 1) * chunk - g));
+        const int end = std::min(it.npages, round_up(cut, kGroupPages));  // on a group boundary
         units_of_thread_[t].push_back(static_cast<int>(units_.size()));
         units_.push_back({i, pg, end, t});
         pg = end;
@@ -198,10 +213,15 @@ int Selection::plan(int T) {
     }
     cand_pos_.resize(static_cast<size_t>(ncand));
     cand_key_.resize(static_cast<size_t>(ncand));
-    if (a.output_mode == 0) uo_.assign(units_.size() * Qn_ * D_, 0.0f);
+    int64_t groups = 0;
+    for (Item& it : items_) {
+      it.goff = groups;
+      groups += groups_of(it.npages);
+    }
+    if (a.output_mode == 0) go_.assign(static_cast<size_t>(groups) * Qn_ * D_, 0.0f);
+    im_.resize(items_.size() * Qn_);
+    il_.resize(items_.size() * Qn_);
   }
-  um_.resize(units_.size() * Qn_);
-  ul_.resize(units_.size() * Qn_);
   return HERALD_OK;
 }
 
@@ -218,6 +238,7 @@ size_t Selection::arena_bytes(int cap_pages) const {
 Work Selection::carve(Arena& ar, int cap_pages) const {
   const int s_max = std::max(a_.s_max, cap_pages * P_);
   Work w;
+  w.gpart = nullptr;
   w.sbuf = ar.take<float>(static_cast<size_t>(Qn_) * Pp_);
   w.imp = ar.take<float>(static_cast<size_t>(cap_pages) * P_);
   w.o = ar.take<float>(static_cast<size_t>(Qn_) * D_);
@@ -288,30 +309,39 @@ bool Selection::scan(Unit& u, Work& w) {
       return false;
     }
   }
-  float* um = &um_[static_cast<size_t>(&u - units_.data()) * Qn_];
-  float* ul = &ul_[static_cast<size_t>(&u - units_.data()) * Qn_];
-  for (int q = 0; q < Qn_; ++q) {
-    float m = -INFINITY, l = 0.0f;
-    for (int i = 0; i < np; ++i) m = std::max(m, u.st[i * Qn_ + q]);
-    for (int i = 0; i < np; ++i)
-      l += u.st[(np + i) * Qn_ + q] * std::exp(u.st[i * Qn_ + q] - m);
-    um[q] = m;
-    ul[q] = l;
-  }
   return true;
+}
+
+// Row statistics of an item from its units' page (max, sum), pages in position order whatever
+// the units' cut: m = max over pages, linv = 1 / sum_pages page_sum * exp(page_max - m).
+void Selection::item_stats(const Item& it, float* m, float* linv) const {
+  for (int q = 0; q < Qn_; ++q) {
+    float mq = -INFINITY, l = 0.0f;
+    for (int v = it.u0; v < it.u0 + it.nu; ++v) {
+      const Unit& u = units_[v];
+      for (int i = 0; i < u.pg1 - u.pg0; ++i) mq = std::max(mq, u.st[i * Qn_ + q]);
+    }
+    for (int v = it.u0; v < it.u0 + it.nu; ++v) {
+      const Unit& u = units_[v];
+      const int np = u.pg1 - u.pg0;
+      for (int i = 0; i < np; ++i) l += u.st[(np + i) * Qn_ + q] * std::exp(u.st[i * Qn_ + q] - mq);
+    }
+    m[q] = mq;
+    linv[q] = 1.0f / l;
+  }
 }
 
 void Selection::rank(Unit& u, Work& w) {
   const Item& it = items_[u.item];
   const int np = u.pg1 - u.pg0;
-  // Row statistics over the whole item, from its units' (max, sum).
-  for (int q = 0; q < Qn_; ++q) {
-    float m = -INFINITY, l = 0.0f;
-    for (int v = it.u0; v < it.u0 + it.nu; ++v) m = std::max(m, um_[v * Qn_ + q]);
-    for (int v = it.u0; v < it.u0 + it.nu; ++v)
-      l += ul_[v * Qn_ + q] * std::exp(um_[v * Qn_ + q] - m);
-    w.m[q] = m;
-    w.l[q] = 1.0f / l;
+  // Row statistics over the whole item (tiles: computed between A and B, while every unit's
+  // page maxima are intact; B overwrites them with the factors below).
+  if (tiles_) {
+    const size_t off = static_cast<size_t>(u.item) * Qn_;
+    std::memcpy(w.m, &im_[off], sizeof(float) * Qn_);
+    std::memcpy(w.l, &il_[off], sizeof(float) * Qn_);
+  } else {
+    item_stats(it, w.m, w.l);
   }
   // Page max -> factor f = exp(page_max - m) / l: e * f is the softmax probability.
   for (int i = 0; i < np; ++i)
@@ -336,14 +366,16 @@ void Selection::rank(Unit& u, Work& w) {
                                 &cand_pos_[u.cand_off], &cand_key_[u.cand_off], w.topk);
   }
   if (a_.output_mode != 0) return;
-  // Full mode: P @ V over this unit's pages.
-  float* o = tiles_ ? &uo_[static_cast<size_t>(&u - units_.data()) * Qn_ * D_] : w.o;
-  std::memset(o, 0, sizeof(float) * Qn_ * D_);
+  // Full mode: P @ V over this unit's pages, one partial per group of kGroupPages pages.
+  const size_t QD = static_cast<size_t>(Qn_) * D_;
+  float* parts = tiles_ ? &go_[static_cast<size_t>(it.goff) * QD] : w.gpart;
   const int dist = std::max(1, a_.prefetch_distance);
   for (int pg = u.pg0; pg < std::min(u.pg1, u.pg0 + dist); ++pg)
     prefetch_slab(v_slab(it.r, it.h, pg), rows_of(it, pg));
   for (int pg = u.pg0; pg < u.pg1; ++pg) {
     const int i = pg - u.pg0, n = rows_of(it, pg);
+    float* o = parts + static_cast<size_t>(pg / kGroupPages) * QD;
+    if (pg % kGroupPages == 0) std::memset(o, 0, sizeof(float) * QD);  // units start on groups
     if (pg + dist < u.pg1) prefetch_slab(v_slab(it.r, it.h, pg + dist), rows_of(it, pg + dist));
     const uint16_t* v = v_slab(it.r, it.h, pg);
     for (int j0 = 0; j0 < n; j0 += 32) {
@@ -402,12 +434,11 @@ void Selection::finish(int item_index, Work& w) {
   auto row_pos = [&](int j) { return j < it.k ? sel[j] : it.R + (j - it.k); };
   float* o = w.o;
   if (a_.output_mode == 0) {
-    if (tiles_) {
-      std::memset(o, 0, sizeof(float) * Qn_ * D_);
-      for (int v = it.u0; v < it.u0 + it.nu; ++v)
-        for (int64_t x = 0; x < static_cast<int64_t>(Qn_) * D_; ++x)
-          o[x] += uo_[static_cast<size_t>(v) * Qn_ * D_ + x];
-    }
+    const size_t QD = static_cast<size_t>(Qn_) * D_;
+    const float* parts = tiles_ ? &go_[static_cast<size_t>(it.goff) * QD] : w.gpart;
+    std::memset(o, 0, sizeof(float) * QD);
+    for (int g = 0; g < groups_of(it.npages); ++g)  // group order: the fixed summation order
+      for (size_t x = 0; x < QD; ++x) o[x] += parts[g * QD + x];
     for (int q = 0; q < Qn_; ++q) w.lsel[q] = 1.0f;
   } else {
     // Selected mode: softmax restricted to the selected and tail rows, from the stored
@@ -479,10 +510,15 @@ int Selection::run(Runtime& rt) {
   for (const Item& it : items_) max_item_pages = std::max(max_item_pages, it.npages);
   if (!tiles_) {
     pool.run([&](int tid) {
+      const size_t part_floats = a_.output_mode == 0
+                                     ? static_cast<size_t>(groups_of(max_item_pages)) * Qn_ * D_
+                                     : 0;
       Arena& ar = rt.arenas[tid];
-      ar.reset(arena_bytes(max_item_pages) + unit_bytes(max_item_pages));
+      ar.reset(arena_bytes(max_item_pages) + unit_bytes(max_item_pages) +
+               Arena::slot(sizeof(float) * part_floats));
       Work& w = work_[tid];
       w = carve(ar, max_item_pages);
+      w.gpart = part_floats > 0 ? ar.take<float>(part_floats) : nullptr;
       float* e = ar.take<float>(static_cast<size_t>(max_item_pages) * Qn_ * Pp_);
       float* st = ar.take<float>(static_cast<size_t>(2) * max_item_pages * Qn_);
       for (;;) {
@@ -516,6 +552,15 @@ int Selection::run(Runtime& rt) {
       }
     });
     if (err_code_.load() == 0) {
+      pool.run([&](int) {  // A2: each item's row statistics, from all its tiles' page stats
+        for (;;) {
+          const int idx = next_.fetch_add(1);
+          if (idx >= static_cast<int>(items_.size())) break;
+          const size_t off = static_cast<size_t>(idx) * Qn_;
+          item_stats(items_[idx], &im_[off], &il_[off]);
+        }
+      });
+      next_.store(0);
       pool.run([&](int tid) {  // B: rank tiles (and full-mode P @ V) where they were scanned
         for (int ui : units_of_thread_[tid]) rank(units_[ui], work_[tid]);
       });

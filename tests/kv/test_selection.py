@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from selection_utils import check_selection, make_inputs, reference, rel_err
+from selection_utils import Inputs, check_selection, make_inputs, reference, rel_err
 
 from herald.offload.selection import _kernel
 from herald.offload.selection.cpu import NonFiniteScoreError, gather_selected, select_topk
@@ -297,3 +297,34 @@ def test_selected_rows_far_from_a_heads_attention(isa: str) -> None:
     assert res.indices.tolist() == [[[7]]]
     assert torch.allclose(res.attn_output[0, 0, 1], inp.v_pages[p0, 0, 7].float())
     check_selection(res, reference(inp, "selected"), inp, "selected")
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("mode", ["full", "selected"])
+@pytest.mark.parametrize("page_size", [8, 32])
+def test_a_request_gets_the_same_bits_whatever_its_batch_mates(
+    isa: str, mode: str, page_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Request 0's importance, indices and attention output are bitwise the same alone, next to
+    mates of other lengths (which turn the whole-item schedule into tiles cut anywhere), under
+    either schedule and any thread count: a batch mate cannot flip a near-tie of its top-k."""
+    inp = make_inputs(21, [2600, 2600, 2600], [90, 90, 90], n_q=4, page_size=page_size)
+    inp.tail_lens = torch.tensor([32, 0, 5], dtype=torch.int32)
+
+    def run(lens: list[int], threads: int, schedule: str) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setenv("HERALD_SELECTION_SCHEDULE", schedule)
+        sub = Inputs(inp.q[: len(lens)], inp.k_pages, inp.v_pages, inp.page_table[: len(lens)],
+                     torch.tensor(lens, dtype=torch.int32), inp.budget[: len(lens)],
+                     inp.tail_lens[: len(lens)])  # fmt: skip
+        res = select_topk(*sub.args(), tail_lens=sub.tail_lens, output_mode=mode,
+                          return_importance=True, num_threads=threads)  # fmt: skip
+        assert res.importance is not None
+        return res.indices[0], res.importance[0, :, :2600], res.attn_output[0]
+
+    alone = run([2600], 1, "items")
+    for lens in ([2600], [2600, 2600], [2600, 100], [2600, 2600, 700], [2600, 40, 2600]):
+        for threads in (1, 2, 3, 7):
+            for schedule in ("auto", "items", "tiles"):
+                got = run(lens, threads, schedule)
+                for a, b in zip(alone, got, strict=True):
+                    assert torch.equal(a, b), (lens, threads, schedule)
