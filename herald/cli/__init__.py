@@ -1,11 +1,13 @@
-"""Command line: ``herald generate | serve | eval | train | bench throughput | init-random``.
+"""Command line: ``herald generate | serve | eval | train | bench throughput|forward |
+init-random``.
 
 ``herald generate`` decodes prompts (dense, or an offloading mode: herald, mage, infinigen) and
 prints the completion and stats. Without ``--model`` it runs the embedded default model on the
 CPU. ``herald serve`` runs the OpenAI-compatible HTTP server (:mod:`herald.server`).
 ``herald eval`` measures long-context accuracy (:mod:`herald.eval`), ``herald train`` trains the
 small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decode throughput
-(:mod:`herald.bench.throughput`), ``herald init-random`` writes a random-weight checkpoint.
+(:mod:`herald.bench.throughput`), ``herald bench forward`` times the GPU forward against its
+floor (:mod:`herald.bench.forward`), ``herald init-random`` writes a random-weight checkpoint.
 Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
 """
 
@@ -48,12 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (g, s, r):
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     # Research subcommands (each sets args.handler); the serving core never imports them.
-    from herald.bench import throughput
+    from herald.bench import forward, throughput
     from herald.eval.cli import register as register_eval
     from herald.train.cli import register as register_train
 
     register_eval(sub)
     throughput.register(sub)
+    forward.register(sub)
     register_train(sub)
     use_help_formatter(parser)
     return parser
