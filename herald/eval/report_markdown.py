@@ -31,13 +31,14 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+_NEEDLE = "`# magic number for <key>: <value>` lines hidden in standard-library files"
 _RULER_TEXT = {
     "niah_single": "one `# magic number for <key>: <value>` line hidden in standard-library files; answer its value",
-    "niah_multikey": "{multikey_keys} such lines with distinct keys, one asked; answer its value",
-    "niah_multivalue": "{multivalue_values} such lines with one key; answer every value, any order",
-    "niah_multiquery": "{multiquery_keys} such lines, all keys asked; answer the values in the order asked",
-    "vt": "variable tracking: {vt_chains} chains of {vt_hops} hops (`VAR_A = 12345`, `VAR_B = VAR_A`, ...); answer every name bound to the asked value, any order",
-    "cwe": "common words: a list of words, {cwe_common} of them {cwe_common_freq} times, the others {cwe_rare_freq}; answer the {cwe_common} common ones, any order",
+    "niah_multikey": "{multikey_keys} {needle} with distinct keys, one asked; answer its value",
+    "niah_multivalue": "{multivalue_values} {needle} with one key; answer every value, any order",
+    "niah_multiquery": "{multiquery_keys} {needle}, every key asked; answer the values in the order asked",
+    "vt": "variable tracking: {vt_chains} chains of {vt_hops} hops (`VAR_A = 12345`, `VAR_B = VAR_A`, ...) hidden in standard-library files; answer every name bound to the asked value, any order",
+    "cwe": "common words: a list of standard-library words, {cwe_common} of them {cwe_common_freq} times, the others {cwe_rare_freq}; answer the {cwe_common} common ones, any order",
 }
 
 
@@ -47,9 +48,9 @@ def _task_text(task: str, cfg: dict[str, Any]) -> str:
     if task in _RULER_TEXT:
         sizes = tasks.get("ruler", {})
         try:
-            text = _RULER_TEXT[task].format(**sizes)
+            text = _RULER_TEXT[task].format(needle=_NEEDLE, **sizes)
         except KeyError:  # settings not recorded
-            text = _RULER_TEXT[task]
+            text = _RULER_TEXT[task].replace("{needle}", _NEEDLE)
         control = cfg.get("decode", {}).get("control_tokens", 512)
         tail = "" if task == "cwe" else f"; no needle in the last {control} tokens"
         return (
