@@ -274,7 +274,10 @@ class EngineConfig:
     max_seq_len: int = 2048
     """Tokens per request at most (prompt + generated), rounded up to whole blocks."""
     prefill_chunk_tokens: int = 4096
-    """Prompt tokens per prefill forward (rounded down to whole blocks, at least one)."""
+    """Prompt tokens per prefill forward (rounded down to whole blocks, at least one; at most
+    ``max_prefill_tokens``). Prompts are prefilled in these pieces at fixed positions
+    (``[0, P), [P, 2P), ...``), whatever other prompts share a boundary, so a prompt's KV does
+    not depend on its neighbours in the queue (:mod:`herald.engine.scheduler`)."""
     max_prefill_tokens: int | None = None
     """Prompt tokens prefilled per block boundary at most (rounded down to whole blocks, at
     least one block); a longer prompt is prefilled in chunks over several boundaries while the

@@ -69,7 +69,12 @@ class Engine(ABC):
         self.max_seq_len = -(-engine_config.max_seq_len // b) * b
         self.max_batch_size = engine_config.max_batch_size
         self.kv_pad = engine_config.kv_pad
-        self.prefill_chunk = max(b, (engine_config.prefill_chunk_tokens // b) * b)
+        # One prefill forward's tokens: prefill_chunk_tokens, or the per-boundary budget when it
+        # is smaller, in whole blocks; prompts are prefilled in these pieces at fixed positions.
+        piece = engine_config.prefill_chunk_tokens
+        if engine_config.max_prefill_tokens is not None:
+            piece = min(piece, engine_config.max_prefill_tokens)
+        self.prefill_chunk = max(b, (piece // b) * b)
         self.batch = DecodeBatch(b, config.mask_token_id, config.eos_token_ids, self.device)
         self.stats = EngineStats()
         self.runner = ModelRunner(
@@ -85,6 +90,7 @@ class Engine(ABC):
             max_batch_size=self.max_batch_size,
             max_prefill_tokens=self.engine_config.max_prefill_tokens,
             max_waiting=self.engine_config.max_waiting,
+            piece_tokens=self.prefill_chunk,
         )
 
     # -- what it is -----------------------------------------------------------------------------

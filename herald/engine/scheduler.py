@@ -12,6 +12,12 @@ dense engine: every step; the offloading engine: when its lockstep block has com
 * **prefill budget**: at most ``max_prefill_tokens`` prompt tokens per boundary; a longer prompt
   is prefilled in chunks over several boundaries (one request at a time), while the running
   requests keep decoding. None: every admitted prompt is prefilled whole.
+* **fixed pieces**: a chunk that stops before its prompt's end stops on a multiple of
+  ``piece_tokens`` (the engine's prefill forward length), so a prompt is always prefilled in the
+  same forwards, ``[0, P), [P, 2P), ...``, whatever other prompts took of a boundary's budget;
+  a remainder of the budget shorter than a piece is left unused. A prompt's KV (and so its
+  tokens) must not depend on its neighbours in the queue: the attention kernels' rounding
+  depends on a forward's query and key lengths.
 
 The head of the queue blocks the rest: no overtaking, no starvation. A request that could never
 run is refused by :meth:`add` at once (:class:`~herald.kv.manager.RequestTooLarge`), and with a
@@ -70,6 +76,8 @@ class Scheduler:
         max_prefill_tokens: prompt tokens per boundary (rounded down to whole blocks, at least
             one block), or None.
         max_waiting: requests waiting beyond the free slots at most, or None (unbounded).
+        piece_tokens: the engine's prefill forward length (whole blocks, at most
+            ``max_prefill_tokens``): where an unfinished chunk may stop (see "fixed pieces").
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int | None,
         max_waiting: int | None,
+        piece_tokens: int | None = None,
     ) -> None:
         self.kv = kv
         self.block_size = block_size
@@ -88,6 +97,16 @@ class Scheduler:
         self.max_prefill_tokens = (
             None if max_prefill_tokens is None else max(b, (max_prefill_tokens // b) * b)
         )
+        self.piece = b if piece_tokens is None else piece_tokens
+        if (
+            self.piece < b
+            or self.piece % b
+            or (self.max_prefill_tokens is not None and self.piece > self.max_prefill_tokens)
+        ):
+            raise ValueError(
+                f"piece_tokens must be whole blocks of {b}, at most max_prefill_tokens "
+                f"({self.max_prefill_tokens}), got {self.piece}"
+            )
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
@@ -185,6 +204,10 @@ class Scheduler:
             req = st.request
             n = req.layout.num_prefill_tokens
             end = n if budget is None else min(n, st.pos + budget)
+            if end < n:
+                end -= end % self.piece  # on a piece boundary (see "fixed pieces")
+                if end <= st.pos:
+                    break  # less than a piece left: this prompt goes on at the next boundary
             chunks.append(PrefillChunk(req, st.pos, end, st.slot))
             if budget is not None:
                 budget -= end - st.pos
