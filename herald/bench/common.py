@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import hashlib
 import json
@@ -10,6 +11,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +104,26 @@ def cap_gpu_memory(gb: float | None) -> None:
         return
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 1e9 / total))
+
+
+def register_benchmark(
+    subparsers: Any,
+    name: str,
+    help_text: str,
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    handler: Callable[[argparse.Namespace], int],
+) -> None:
+    """Add ``herald bench NAME`` to the ``herald`` command line (``bench`` is created by the
+    first benchmark that registers)."""
+    bench = subparsers.choices.get("bench")
+    if bench is None:
+        bench = subparsers.add_parser("bench", help="benchmarks (herald bench BENCHMARK ...)")
+    sub = next(
+        (a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None
+    ) or bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    p = sub.add_parser(
+        name, help=help_text, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    p.set_defaults(handler=handler)

@@ -43,7 +43,7 @@ import torch
 from herald.bench import forward_floor as ff
 from herald.bench import forward_point as fp
 from herald.bench import forward_report as report
-from herald.bench.common import append_jsonl
+from herald.bench.common import append_jsonl, register_benchmark
 from herald.bench.forward_point import Point, check_memory
 from herald.bench.throughput_records import log
 from herald.cliargs import HelpFormatter, add_list
@@ -397,22 +397,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``herald bench forward`` to the ``herald`` command line (``bench`` is created if no
-    other benchmark has created it yet)."""
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser("bench", help="benchmarks (herald bench forward ...)")
-    sub = next(
-        (a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None
-    ) or bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    p = sub.add_parser(
-        "forward",
-        help="the GPU forward against its floor: time, kernels, bytes, FLOPs; prefill tok/s",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    p.set_defaults(handler=run)
+    """Add ``herald bench forward`` to the ``herald`` command line."""
+    what = "the GPU forward against its floor: time, kernels, bytes, FLOPs; prefill tok/s"
+    register_benchmark(subparsers, "forward", what, __doc__, add_arguments, run)
 
 
 def build_parser() -> argparse.ArgumentParser:

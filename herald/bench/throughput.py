@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from herald.bench import throughput_plan as plan
+from herald.bench.common import register_benchmark
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.bench.throughput_records import JSONL_NAME, load_records, log
 from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
@@ -381,22 +382,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``herald bench throughput`` to the ``herald`` command line (``bench`` is created if no
-    other benchmark has created it yet)."""
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser("bench", help="benchmarks (herald bench throughput ...)")
-    sub = next(
-        (a for a in bench._actions if isinstance(a, argparse._SubParsersAction)), None
-    ) or bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    p = sub.add_parser(
-        "throughput",
-        help="decode throughput vs batch size, with measured ceilings (HERALD §VI-C)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    p.set_defaults(handler=run)
+    """Add ``herald bench throughput`` to the ``herald`` command line."""
+    what = "decode throughput vs batch size, with measured ceilings (HERALD §VI-C)"
+    register_benchmark(subparsers, "throughput", what, __doc__, add_arguments, run)
 
 
 def build_parser() -> argparse.ArgumentParser:
