@@ -19,6 +19,8 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from herald.models.loader import INDEX_FILE, SINGLE_FILE, hf_config_dict
 from herald.models.quant import (
     SCALE_SUFFIX,
     STORAGES,
+    dequantize_rowwise,
     is_quantized,
     quantization_config,
     quantize_rowwise,
@@ -225,3 +228,28 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return data
+
+
+@contextmanager
+def stored_weights(model: DecoderLM, storage: str) -> Iterator[None]:
+    """Inside: ``model``'s weights as a checkpoint in ``storage`` stores them (int8: each 2-D or
+    stacked weight through the per-row int8 round trip, the rest rounded to bf16; bf16: every
+    weight rounded to bf16); on exit the original weights are back."""
+    # NOTE: the training weights wait on the CPU: a GPU copy of every weight right after
+    # training (optimizer state still held) could run out of memory and lose the run.
+    saved = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.parameters():  # a tied embedding is yielded once
+                if storage == "int8" and p.dim() >= 2:
+                    rows = p.detach().reshape(-1, p.shape[-1])
+                    q, scale = quantize_rowwise(rows)
+                    w = dequantize_rowwise(q, scale, p.dtype).reshape(p.shape)
+                    p.copy_(w.to(p.device))
+                else:
+                    p.copy_(p.to(torch.bfloat16))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, w in saved:
+                p.copy_(w.to(p.device))

@@ -10,8 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from herald.cliargs import add_list
 from herald.config import field_help
-from herald.train.config import SHAPE_FLAGS, ModelDims, TrainConfig, flag
+from herald.eval.ruler_formats import RULER_TASKS
+from herald.train.config import PRESET_STORAGE, PRESETS, SHAPE_FLAGS, ModelDims, TrainConfig, flag
 from herald.train.corpus import DATA_ORDERS
 
 _RESUME_NOTE = "; on --resume, must match the checkpoint if given"
@@ -94,6 +96,31 @@ def register(subparsers: Any) -> None:
         help="which tokens may be long-range: vocab (name-like vocabulary entries) or code "
         "(tokens of a Python name in code, not in strings or comments)",
     )
+    p.add_argument(
+        "--task-mix",
+        type=float,
+        default=d.task_mix,
+        metavar="FRACTION",
+        help="share of the training sequences that are RULER-style task instances (the tasks "
+        "of herald eval --tasks ruler) with haystacks of the training corpus, never the "
+        "standard library (0 = off)",
+    )
+    add_list(
+        p, "--task-mix-tasks", choices=RULER_TASKS, default=list(d.task_mix_tasks),
+        metavar="TASK", help=f"the mix's tasks, cycled in this order ({', '.join(RULER_TASKS)})",
+    )  # fmt: skip
+    add_list(
+        p, "--task-mix-contexts", kind=int, default=None, metavar="C",
+        help="the mix's contexts in tokens (a prompt holds at most C - 128 tokens, as in herald "
+        "eval; each <= --seq-len); default: those of 4096 8192 16384 32768 that fit --seq-len, "
+        "else --seq-len",
+    )  # fmt: skip
+    p.add_argument(
+        "--task-answer-weight",
+        type=float,
+        default=d.task_answer_weight,
+        help="loss weight of a task sequence's masked answer tokens",
+    )
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument(
         "--vocab-size",
@@ -102,6 +129,14 @@ def register(subparsers: Any) -> None:
         help=f"BPE vocabulary of a fresh run (default {d.vocab_size}{_RESUME_NOTE})",
     )
     p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb)
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model shape of a fresh run: base (14.76M parameters, bf16, the default) or large "
+        "(28.68M: hidden 512, 9 layers, SwiGLU 1344, int8 storage unless --storage); the shape "
+        "flags below override its values",
+    )
     for name in SHAPE_FLAGS:  # default None: --resume tells the given ones from the rest
         p.add_argument(
             flag(name),
@@ -144,9 +179,12 @@ def register(subparsers: Any) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``herald train`` arguments (defaults for the model-shape
     flags not given)."""
-    dims = ModelDims(
-        **{name: getattr(args, name) for name in SHAPE_FLAGS if getattr(args, name) is not None}
-    )
+    shape: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    shape.update({n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None})
+    dims = ModelDims(**shape)
+    storage = args.storage
+    if storage is None and args.preset is not None and args.resume is None:
+        storage = PRESET_STORAGE[args.preset]
     return TrainConfig(
         out_dir=args.out,
         state_file=args.state_file,
@@ -177,7 +215,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tokenizer_sample_mb=args.tokenizer_sample_mb,
         dims=dims,
         max_checkpoint_mb=args.max_checkpoint_mb,
-        storage=args.storage,
+        storage=storage,
         max_shard_mb=args.max_shard_mb,
         compile=not args.no_compile,
         device=args.device,
@@ -186,12 +224,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         workers=args.workers,
         val_windows=args.val_windows,
         overwrite=args.overwrite,
+        task_mix=args.task_mix,
+        task_mix_tasks=tuple(args.task_mix_tasks),
+        task_mix_contexts=tuple(args.task_mix_contexts) if args.task_mix_contexts else None,
+        task_answer_weight=args.task_answer_weight,
     )
 
 
 def explicit_shape_flags(args: argparse.Namespace) -> set[str]:
-    """The model-shape fields (``vocab_size`` included) given on the command line."""
-    return {n for n in (*SHAPE_FLAGS, "vocab_size") if getattr(args, n, None) is not None}
+    """The model-shape fields (``vocab_size`` included) given on the command line, those of a
+    ``--preset`` among them (a resumed run refuses a preset that differs from its shape)."""
+    given = {n for n in (*SHAPE_FLAGS, "vocab_size") if getattr(args, n, None) is not None}
+    preset = getattr(args, "preset", None)
+    if preset is not None:
+        given |= set(PRESETS[preset]) or {"hidden_size"}
+    return given
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from herald.eval.ruler_formats import RULER_TASKS, RulerConfig
 from herald.models.config import SDAR_ARCH, ModelConfig
 from herald.models.quant import STORAGES, checkpoint_storage, stored_bytes
 from herald.models.registry import weight_specs
@@ -57,6 +58,20 @@ class ModelDims:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
+
+
+EVAL_CONTEXTS = (4096, 8192, 16384, 32768)
+"""The contexts ``herald eval`` runs the RULER-style tasks at (the task mix's default)."""
+
+PRESETS: dict[str, dict[str, int]] = {
+    "base": {},
+    "large": {"hidden_size": 512, "num_layers": 9, "intermediate_size": 1344},
+}
+"""``herald train --preset``: model shapes (changes from :class:`ModelDims`). ``base`` is the
+14.76 M-parameter default (29.5 MB in bf16); ``large`` has 28.68 M parameters, stored as int8
+with per-row scales (28.9 MB): about twice the parameters in the same checkpoint budget."""
+PRESET_STORAGE = {"base": "bf16", "large": "int8"}
+"""The storage a preset implies when ``--storage`` is not given (and the run is fresh)."""
 
 
 def model_config(dims: ModelDims, vocab_size: int, block_size: int = BLOCK_SIZE) -> ModelConfig:
@@ -222,6 +237,17 @@ class TrainConfig:
     """Processes for the corpus scan (0 = all cores)."""
     val_windows: int = 8
     """Held-out stdlib windows for the final validation loss (0 = skip)."""
+    task_mix: float = 0.0
+    """Share of the training sequences that are RULER-style task instances with haystacks of
+    the training corpus (0 = off; :mod:`herald.train.task_mix`)."""
+    task_mix_tasks: tuple[str, ...] = RULER_TASKS
+    """The tasks of the mix (cycled in this order)."""
+    task_mix_contexts: tuple[int, ...] | None = None
+    """The mix's contexts C (the prompt holds at most C - 128 tokens, as in ``herald eval``);
+    default: those of 4096, 8192, 16384, 32768 that fit ``seq_len`` (else ``seq_len``)."""
+    task_answer_weight: float = 32.0
+    """Loss weight of a task sequence's answer tokens (when masked): the answer is ~10 of a
+    sequence's thousands of tokens and the only ones that need the far context."""
     overwrite: bool = False
     """Replace an existing checkpoint directory at ``out_dir`` (and an existing state file).
     Without it, a non-empty ``out_dir`` is refused unless it is the checkpoint being resumed;
@@ -316,8 +342,41 @@ def check_values(cfg: TrainConfig) -> None:
         finite(cfg.max_checkpoint_mb) and cfg.max_checkpoint_mb > 0, "max_checkpoint_mb", "positive"
     )
     need(finite(cfg.max_shard_mb) and cfg.max_shard_mb > 0, "max_shard_mb", "positive")
+    check_task_mix(cfg)
     need(cfg.workers >= 0, "workers", ">= 0")
     need(cfg.val_windows >= 0, "val_windows", ">= 0")
 
 
 _DIM_NAMES = frozenset(f.name for f in fields(ModelDims))
+
+
+def task_mix_contexts(cfg: TrainConfig) -> tuple[int, ...]:
+    """The contexts of the task mix (:attr:`TrainConfig.task_mix_contexts` or its default)."""
+    if cfg.task_mix_contexts:
+        return tuple(cfg.task_mix_contexts)
+    return tuple(c for c in EVAL_CONTEXTS if c <= cfg.seq_len) or (cfg.seq_len,)
+
+
+def check_task_mix(cfg: TrainConfig) -> None:
+    """The task-mix values of ``cfg`` (any values while the mix is off but the fraction).
+
+    Raises:
+        ValueError: the first bad value, naming its flag.
+    """
+    f = cfg.task_mix
+    if not (isinstance(f, int | float) and math.isfinite(f) and 0 <= f <= 1):
+        raise ValueError(f"--task-mix must be in [0, 1], got {f!r}")
+    if f == 0:
+        return
+    bad = [t for t in cfg.task_mix_tasks if t not in RULER_TASKS]
+    if bad or not cfg.task_mix_tasks:
+        raise ValueError(f"--task-mix-tasks: unknown {bad or 'none given'}; one of {RULER_TASKS}")
+    room = RulerConfig().answer_tokens
+    for c in task_mix_contexts(cfg):
+        if not room < c <= cfg.seq_len:
+            raise ValueError(
+                f"--task-mix-contexts {c} must lie in ({room}, --seq-len {cfg.seq_len}]"
+            )
+    w = cfg.task_answer_weight
+    if not (isinstance(w, int | float) and math.isfinite(w) and w > 0):
+        raise ValueError(f"--task-answer-weight must be positive, got {w!r}")

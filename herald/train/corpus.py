@@ -96,10 +96,13 @@ class SourceFile:
     Attributes:
         path: ``/``-separated path relative to its root, e.g. ``numpy/linalg/linalg.py``.
         text: the file's text, LF line ends, ending with a newline.
+        origin: the absolute path it was read from (``""`` when not read from disk); the
+            task mix (:mod:`herald.train.task_mix`) checks it against the stdlib roots.
     """
 
     path: str
     text: str
+    origin: str = field(default="", compare=False)
 
     @property
     def package(self) -> str:
@@ -301,7 +304,7 @@ def scan(
     skipped: Counter[str] = Counter()
     seen: set[bytes] = set()
     files: list[SourceFile] = []
-    for (rel, _), (text, reason) in zip(candidates, results, strict=True):
+    for (rel, full), (text, reason) in zip(candidates, results, strict=True):
         if text is None:
             skipped[reason] += 1
             continue
@@ -310,7 +313,7 @@ def scan(
             skipped["duplicate"] += 1
             continue
         seen.add(digest)
-        files.append(SourceFile(rel, text))
+        files.append(SourceFile(rel, text, str(full)))
     return Corpus(files, [str(r) for r in roots], dict(skipped))
 
 

@@ -184,6 +184,11 @@ class PreparedData:
     code_names: np.ndarray | None = None
     """[N] uint8 (0/1) beside ``stream``: tokens of a name in code (:mod:`herald.train.code_names`),
     when asked for."""
+    corpus: Corpus | None = None
+    """The training corpus (its files' texts and origins), kept when asked for (the task mix's
+    haystacks, :mod:`herald.train.task_mix`)."""
+    stdlib: Corpus | None = None
+    """The held-out stdlib corpus, kept with ``corpus``."""
 
 
 def stdlib_val_windows(
@@ -221,11 +226,12 @@ def prepare_data(
     workers: int = 1,
     order: str = "package",
     code_names: bool = False,
+    keep_corpus: bool = False,
     log: Callable[[str], None] = print,
 ) -> PreparedData:
     """Scan (stdlib, then third-party minus the stdlib), train the BPE unless ``backend`` is
     given (a resumed run keeps its tokenizer), encode or load the cached stream, cut the
-    validation windows.
+    validation windows; ``keep_corpus``: return both scanned corpora too.
 
     Raises:
         ValueError: no corpus (see :func:`herald.train.corpus.scan_third_party`).
@@ -249,6 +255,7 @@ def prepare_data(
     sample_pool = (
         docs if order == "package" else [f.document for f in order_documents(corpus.files, seed)]
     )
+    kept = corpus if keep_corpus else None
     del corpus, ordered
     t = time.perf_counter()
     if backend is None:
@@ -296,4 +303,6 @@ def prepare_data(
         stream_key=key,
         timings=timings,
         code_names=names,
+        corpus=kept,
+        stdlib=stdlib if keep_corpus else None,
     )

@@ -254,22 +254,30 @@ def loss_weights(
     weighting: LossWeighting,
     emphasis: torch.Tensor | None = None,
     emphasis_weight: float = 1.0,
+    answer: torch.Tensor | None = None,
+    answer_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token CE weights [bs, L] float32 and the normaliser (0-dim float32) for ``weighting``:
     ``"mean"``: ``masked`` / ``masked.sum()``; ``"elbo"``: ``masked / t`` / ``numel``.
 
     ``emphasis`` ([bs, L] bool, e.g. :func:`long_range_tokens`) multiplies those tokens' weight
-    by ``emphasis_weight``; the normaliser counts them that many times, so the loss stays a
-    (weighted) mean per token and its scale does not change.
+    by ``emphasis_weight``; ``answer`` ([bs, L] bool: the task mix's answer tokens) by
+    ``answer_weight`` (a token in both gets the larger); the normaliser counts them that many
+    times, so the loss stays a (weighted) mean per token and its scale does not change.
 
     Raises:
-        ValueError: unknown weighting, or ``emphasis_weight`` <= 0.
+        ValueError: unknown weighting, or a weight <= 0.
     """
     if emphasis_weight <= 0:
         raise ValueError(f"emphasis_weight must be > 0, got {emphasis_weight}")
+    if answer_weight <= 0:
+        raise ValueError(f"answer_weight must be > 0, got {answer_weight}")
     mult = None
     if emphasis is not None and emphasis_weight != 1.0:
         mult = 1.0 + (emphasis_weight - 1.0) * emphasis.float()
+    if answer is not None and answer_weight != 1.0:
+        extra = 1.0 + (answer_weight - 1.0) * answer.float()
+        mult = extra if mult is None else torch.maximum(mult, extra)
     m = masked.float() if mult is None else masked.float() * mult
     if weighting == "mean":
         return m, m.sum().clamp_min(1.0)

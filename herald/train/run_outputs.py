@@ -40,6 +40,7 @@ def save_run(
             "seq_len": cfg.seq_len,
             "loss_weighting": cfg.loss_weighting,
             **run.long_range_summary(),
+            **run.task_mix_summary(),
             "val_loss_stdlib": val_loss,
             **stored,
             "recipe": "herald.train: site-packages .py, stdlib held out",

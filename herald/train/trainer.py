@@ -36,9 +36,8 @@ from herald.config import resolve_device
 from herald.models.common import DecoderLM
 from herald.models.config import ModelConfig
 from herald.models.loader import load_model
-from herald.models.quant import dequantize_rowwise, quantize_rowwise
 from herald.models.registry import build_model
-from herald.train.checkpoint import find_resume_state, read_json
+from herald.train.checkpoint import find_resume_state, read_json, stored_weights
 from herald.train.config import (
     RESERVE_S,
     TrainConfig,
@@ -64,6 +63,7 @@ from herald.train.objective import (
 from herald.train.preflight import check_seq_len, preflight
 from herald.train.run_outputs import save_run
 from herald.train.schedule import build_optimizer, lr_at, noise_generator, seed_everything
+from herald.train.task_mix import mixer_for
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
@@ -112,9 +112,20 @@ class Run:
             workers=workers,
             order=cfg.data_order,
             code_names=cfg.long_range_weight != 1.0 and cfg.long_range_scope == "code",
+            keep_corpus=cfg.task_mix > 0,
             log=self.log,
         )
         self.tokenizer = as_herald_tokenizer(self.data.backend)
+        self.task_mix = mixer_for(cfg, self.data, self.tokenizer)
+        self.data.corpus = self.data.stdlib = None  # the mix holds what it needs
+        if self.task_mix is not None:
+            src = self.task_mix.source
+            self.log(
+                f"task mix: {cfg.task_mix:.0%} of the sequences are "
+                f"{', '.join(cfg.task_mix_tasks)} at contexts {list(self.task_mix.contexts)}; "
+                f"haystacks from {len(src)} training files ({src.dropped} equal to a stdlib "
+                f"file left out); answer weight {cfg.task_answer_weight:g}"
+            )
         self.device = resolve_device(cfg.device)
         old = self.state.get("data_manifest_sha256")
         if old is not None and old != self.data.manifest["contents_sha256"]:
@@ -131,6 +142,7 @@ class Run:
         self.sampler = WindowSampler(
             self.data.stream, cfg.seq_len, cfg.seed, position, aux=self.data.code_names
         )
+        self.run_start = self.sampler.position
         self.global_step = int(self.state.get("global_step", 0))
         self.tokens_seen = int(self.state.get("tokens_seen", 0))
         self._build_model()
@@ -226,11 +238,13 @@ class Run:
         seed: int,
         emphasis: bool = True,
         code_names: torch.Tensor | None = None,
+        answer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's loss; ``emphasis`` applies ``long_range_weight`` (training; validation
         reports the plain loss); ``code_names`` ([bs, L] bool, the ``code`` scope) narrows the
         tokens that may be long-range from the vocabulary's name-like ones to those of them that
-        are part of a name in code."""
+        are part of a name in code; ``answer`` ([bs, L] bool, the task mix's answer tokens) gets
+        ``task_answer_weight``."""
         cfg = self.cfg
         gen = noise_generator(self.device, seed, step)
         noisy, masked, t = sample_noise(
@@ -252,12 +266,16 @@ class Run:
                 min_distance=cfg.long_range_distance,
             )
             self.long_range_fraction.append(flagged.float().mean())
+        extra: dict[str, Any] = {}
+        if answer is not None and emphasis:
+            extra = {"answer": answer, "answer_weight": cfg.task_answer_weight}
         weights, norm = loss_weights(
             masked,
             t,
             weighting,  # type: ignore[arg-type]
             emphasis=flagged,
             emphasis_weight=cfg.long_range_weight,
+            **extra,
         )
         with torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda"):
             total = self.loss_fn(noisy, clean, weights)
@@ -280,14 +298,21 @@ class Run:
 
     def _train_step(self, run_step: int, total: int | None) -> torch.Tensor:
         cfg = self.cfg
-        clean = self._to_device(self.sampler.next_batch(cfg.batch_size))
-        names = None
-        if self.sampler.aux is not None:
-            names = self._to_device(self.sampler.aux_batch())
+        first = self.sampler.position
+        batch = self.sampler.next_batch(cfg.batch_size)
+        aux = self.sampler.aux_batch() if self.sampler.aux is not None else None
+        answer = None
+        if self.task_mix is not None:
+            batch, aux, answer_np = self.task_mix.apply(batch, first, aux)
+            answer = self._to_device(answer_np)
+        clean = self._to_device(batch)
+        names = None if aux is None else self._to_device(aux)
         lr = lr_at(run_step, cfg, total)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss = self._loss(clean, self.global_step, cfg.loss_weighting, cfg.seed, code_names=names)
+        loss = self._loss(
+            clean, self.global_step, cfg.loss_weighting, cfg.seed, code_names=names, answer=answer
+        )
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
@@ -373,7 +398,15 @@ class Run:
             "tokens_per_s": round(run_step * cfg.batch_size * cfg.seq_len / max(train_s, 1e-9)),
             "final_loss": final_loss,
             **self.long_range_summary(),
+            **self.task_mix_summary(),
         }
+
+    def task_mix_summary(self) -> dict[str, Any]:
+        """The task mix's settings and counts (empty when off)."""
+        if self.task_mix is None:
+            return {}
+        end = self.sampler.position
+        return {"task_mix": self.task_mix.summary(self.run_start, end, self.cfg.task_answer_weight)}
 
     def long_range_summary(self) -> dict[str, Any]:
         """The run's long-range emphasis settings and the mean share of tokens it flagged
@@ -410,30 +443,13 @@ class Run:
         return total / n
 
     def validate_stored(self) -> float | None:
-        """:meth:`validate` with the weights as the checkpoint stores them, then the training
-        weights back: the loss users of the saved checkpoint get. int8 storage: each 2-D or
-        stacked weight through the per-row int8 round trip, the rest rounded to bf16; bf16
-        storage: every weight rounded to bf16. None without held-out windows."""
+        """:meth:`validate` with the weights as the checkpoint stores them
+        (:func:`herald.train.checkpoint.stored_weights`), then the training weights back: the
+        loss users of the saved checkpoint get. None without held-out windows."""
         if self.data.val_windows.shape[0] == 0:
             return None
-        # NOTE: the training weights wait on the CPU: a GPU copy of every weight right after
-        # training (optimizer state still held) could run out of memory and lose the run.
-        saved = [(p, p.detach().to("cpu", copy=True)) for p in self.model.parameters()]
-        try:
-            with torch.no_grad():
-                for p in self.model.parameters():  # a tied embedding is yielded once
-                    if self.storage == "int8" and p.dim() >= 2:
-                        rows = p.detach().reshape(-1, p.shape[-1])
-                        q, scale = quantize_rowwise(rows)
-                        w = dequantize_rowwise(q, scale, p.dtype).reshape(p.shape)
-                        p.copy_(w.to(p.device))
-                    else:
-                        p.copy_(p.to(torch.bfloat16))
+        with stored_weights(self.model, self.storage):
             return self.validate()
-        finally:
-            with torch.no_grad():
-                for p, w in saved:
-                    p.copy_(w.to(p.device))
 
 
 def train(
