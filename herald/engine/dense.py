@@ -65,8 +65,10 @@ class DenseEngine(Engine):
 
     # -- boundary -------------------------------------------------------------------------------
     def _prefill(self, chunk: PrefillChunk) -> None:
-        req, slot = chunk.request, chunk.slot
-        assert slot is not None
+        req = chunk.request
+        # NOTE: the slot now, not the chunk's: a request admitted at this boundary can move to
+        # another slot when an earlier one joins (KVManager.join).
+        slot = self.kv.slot(req.request_id)
         synthetic = self.hooks.synthetic_prefill
         if synthetic is not None:
             synthetic.fill_rows(self.cache.tensors(), slot, chunk.start, chunk.end)

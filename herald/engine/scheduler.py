@@ -45,13 +45,13 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class PrefillChunk:
-    """Prompt tokens ``[start, end)`` of ``request`` to prefill at this boundary; ``slot`` is
-    where it prefills (None: the engine's temporary store)."""
+    """Prompt tokens ``[start, end)`` of ``request`` to prefill at this boundary (where:
+    the request's slot at the time the chunk runs, :meth:`KVManager.slot`, or the engine's
+    temporary store)."""
 
     request: Request
     start: int
     end: int
-    slot: int | None
 
     @property
     def last(self) -> bool:
@@ -63,7 +63,6 @@ class PrefillChunk:
 class _Prefilling:
     request: Request
     pos: int  # prompt tokens scheduled so far
-    slot: int | None
 
 
 class Scheduler:
@@ -208,7 +207,7 @@ class Scheduler:
                 end -= end % self.piece  # on a piece boundary (see "fixed pieces")
                 if end <= st.pos:
                     break  # less than a piece left: this prompt goes on at the next boundary
-            chunks.append(PrefillChunk(req, st.pos, end, st.slot))
+            chunks.append(PrefillChunk(req, st.pos, end))
             if budget is not None:
                 budget -= end - st.pos
             st.pos = end
@@ -225,9 +224,9 @@ class Scheduler:
             head = self._waiting[0]
             if not self.kv.can_admit(head.prompt_len, head.params.max_new_tokens):
                 return None
-            slot = self.kv.admit(head.request_id, head.prompt_len, head.params.max_new_tokens)
+            self.kv.admit(head.request_id, head.prompt_len, head.params.max_new_tokens)
             self._waiting.popleft()
-            self.prefilling = _Prefilling(head, 0, slot)
+            self.prefilling = _Prefilling(head, 0)
             return self.prefilling
 
     def drop_prefilling(self) -> Request | None:

@@ -100,6 +100,7 @@ class KVManager:
         self.cpu_pool = cpu_pool
         self.prefill_in_slot = prefill_in_slot
         self._slot_of: dict[str, int] = {}
+        self._joined: set[str] = set()  # requests in the decode batch (the others prefill)
         self._stores: list[SlotStore] = []
         self._store_bytes = 0
 
@@ -166,11 +167,19 @@ class KVManager:
         if slot is None:
             slot = self._take_slot(request_id)
         if slot != row:
-            if row in self._slot_of.values():
+            holder = next((r for r, s in self._slot_of.items() if s == row), None)
+            if holder in self._joined:
                 raise RuntimeError(f"slot {row} is taken: running requests must hold 0..{row - 1}")
+            if holder is not None:
+                # A request admitted at this boundary after this one (the scheduler starts the
+                # next prompt before the engine joins this one) took the slot this one joins:
+                # its prefill runs after this join, so its slot holds nothing yet; it takes
+                # the slot this one leaves.
+                self._slot_of[holder] = slot
             for store in self._stores:
                 store.move_slot(slot, row, length)
             self._slot_of[request_id] = row
+        self._joined.add(request_id)
         return row
 
     def release(
@@ -200,6 +209,7 @@ class KVManager:
     def free(self, request_id: str) -> None:
         """Return a request's slot and pages (each if it holds one). Idempotent."""
         self._slot_of.pop(request_id, None)
+        self._joined.discard(request_id)
         self._free_pages(request_id)
 
     def _free_pages(self, request_id: str) -> None:
