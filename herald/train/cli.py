@@ -121,6 +121,7 @@ def register(subparsers: Any) -> None:
         default=d.task_answer_weight,
         help="loss weight of a task sequence's masked answer tokens",
     )
+    p.add_argument("--task-mix-workers", type=int, default=d.task_mix_workers)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument(
         "--vocab-size",
@@ -228,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         task_mix_tasks=tuple(args.task_mix_tasks),
         task_mix_contexts=tuple(args.task_mix_contexts) if args.task_mix_contexts else None,
         task_answer_weight=args.task_answer_weight,
+        task_mix_workers=args.task_mix_workers,
     )
 
 

@@ -248,6 +248,8 @@ class TrainConfig:
     task_answer_weight: float = 32.0
     """Loss weight of a task sequence's answer tokens (when masked): the answer is ~10 of a
     sequence's thousands of tokens and the only ones that need the far context."""
+    task_mix_workers: int = 4
+    """Processes that build the task sequences ahead of the training steps (0 = in the loop)."""
     overwrite: bool = False
     """Replace an existing checkpoint directory at ``out_dir`` (and an existing state file).
     Without it, a non-empty ``out_dir`` is refused unless it is the checkpoint being resumed;
@@ -377,6 +379,8 @@ def check_task_mix(cfg: TrainConfig) -> None:
             raise ValueError(
                 f"--task-mix-contexts {c} must lie in ({room}, --seq-len {cfg.seq_len}]"
             )
+    if cfg.task_mix_workers < 0:
+        raise ValueError(f"--task-mix-workers must be >= 0, got {cfg.task_mix_workers}")
     w = cfg.task_answer_weight
     if not (isinstance(w, int | float) and math.isfinite(w) and w > 0):
         raise ValueError(f"--task-answer-weight must be positive, got {w!r}")

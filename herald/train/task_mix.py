@@ -33,8 +33,10 @@ building a task sequence reads no file.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import random
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -187,6 +189,10 @@ class TaskMixer:
         self.fraction = as_fraction(fraction)
         self.tasks, self.contexts = tuple(tasks), tuple(contexts)
         self.seq_len, self.seed, self.eos_id = seq_len, seed, eos_id
+        self._pool: Any = None  # worker processes (start_workers)
+        self._pending: dict[int, Any] = {}  # position -> its sequence, being built
+        self._submitted = 0  # positions below this one were submitted
+        self._ahead = 1
 
     def sequence(self, position: int) -> TaskSequence | None:
         """The task sequence of data position ``position``, or None (a code window)."""
@@ -221,7 +227,7 @@ class TaskMixer:
         aux_out = None if aux is None else aux.copy()
         answer = np.zeros(batch.shape, dtype=bool)
         for b in range(batch.shape[0]):
-            seq = self.sequence(first_position + b)
+            seq = self._lookup(first_position + b)
             if seq is None:
                 continue
             n = seq.ids.size
@@ -230,6 +236,43 @@ class TaskMixer:
                 aux_out[b, :n], aux_out[b, n:] = False, aux[b, : batch.shape[1] - n]
             answer[b, seq.answer] = True
         return out, aux_out, answer
+
+    def start_workers(self, workers: int, ahead: int) -> None:
+        """Build the task sequences of the next ``ahead`` data positions in ``workers`` forked
+        processes while the training steps run (the results are those of :meth:`sequence`:
+        each is a function of its position). Forks now: call before CUDA is initialised."""
+        global _WORKER_MIXER
+        if workers < 1 or sys.platform != "linux":
+            return
+        _WORKER_MIXER = self
+        try:
+            # NOTE: fork (the workers share the corpus texts); before CUDA is initialised.
+            self._pool = multiprocessing.get_context("fork").Pool(workers)
+        finally:
+            _WORKER_MIXER = None
+        self._ahead = max(1, ahead)
+
+    def close(self) -> None:
+        """Stop the worker processes (if any)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        self._pending.clear()
+
+    def _lookup(self, position: int) -> TaskSequence | None:
+        """:meth:`sequence`, from the workers when they run (submitting the next positions)."""
+        if self._pool is None:
+            return self.sequence(position)
+        start = max(self._submitted, position)
+        for p in range(start, position + self._ahead):
+            if is_task_position(p, self.fraction):
+                self._pending[p] = self._pool.apply_async(_worker_sequence, (p,))
+        self._submitted = max(start, position + self._ahead)
+        for stale in [p for p in self._pending if p < position]:
+            del self._pending[stale]
+        job = self._pending.pop(position, None)
+        return job.get() if job is not None else self.sequence(position)
 
     def counts(self, start: int, end: int) -> dict[str, int]:
         """Task sequences per task among data positions ``start .. end - 1``."""
@@ -248,6 +291,15 @@ class TaskMixer:
             "answer_weight": answer_weight,
             "sequences": self.counts(start, end),
         }
+
+
+_WORKER_MIXER: TaskMixer | None = None
+"""The mixer of the worker processes (set in the parent while it forks them)."""
+
+
+def _worker_sequence(position: int) -> TaskSequence | None:
+    assert _WORKER_MIXER is not None, "a task-mix worker without its mixer"
+    return _WORKER_MIXER.sequence(position)
 
 
 def build_mixer(

@@ -63,7 +63,7 @@ from herald.train.objective import (
 from herald.train.preflight import check_seq_len, preflight
 from herald.train.run_outputs import save_run
 from herald.train.schedule import build_optimizer, lr_at, noise_generator, seed_everything
-from herald.train.task_mix import mixer_for
+from herald.train.task_mix import TaskMixer, mixer_for
 from herald.train.tokenizer_train import as_herald_tokenizer
 
 CALIBRATION_STEPS = 8  # steps (after the compiling ones) timed to fit the horizon to the budget
@@ -119,6 +119,8 @@ class Run:
         self.task_mix = mixer_for(cfg, self.data, self.tokenizer)
         self.data.corpus = self.data.stdlib = None  # the mix holds what it needs
         if self.task_mix is not None:
+            ahead = 4 * cfg.batch_size + math.ceil(2 * cfg.task_mix_workers / cfg.task_mix)
+            self.task_mix.start_workers(cfg.task_mix_workers, ahead)  # forks: before CUDA
             src = self.task_mix.source
             self.log(
                 f"task mix: {cfg.task_mix:.0%} of the sequences are "
@@ -474,8 +476,13 @@ def train(
     preflight(cfg, explicit)
     out_log = log or (lambda s: print(s, flush=True))
     run = Run(cfg, out_log)
-    run.setup()
-    summary = run.loop()
+    try:
+        run.setup()
+        summary = run.loop()
+    finally:
+        mix: TaskMixer | None = getattr(run, "task_mix", None)
+        if mix is not None:
+            mix.close()  # its worker processes
     if summary["steps"] == 0:
         raise RuntimeError(
             f"no training step fitted in --max-minutes {cfg.max_minutes:g} after "

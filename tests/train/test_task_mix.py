@@ -80,6 +80,13 @@ def test_mixed_stream_is_deterministic_and_holds_the_fraction(corpora, codec) ->
     c = np.concatenate([m.apply(batch[:6], 0)[0], m.apply(batch[6:], 6)[0]])
     assert np.array_equal(a, c)
     assert m.counts(0, 12) == {t: 1 for t in RULER_TASKS}  # six tasks cycled, one each
+    # built ahead in worker processes: the same rows
+    m.start_workers(2, ahead=4)
+    try:
+        d = np.concatenate([m.apply(batch[i : i + 3], i)[0] for i in range(0, 12, 3)])
+    finally:
+        m.close()
+    assert np.array_equal(a, d)
     other, _, _ = mixer(corpora, codec, seed=1).apply(batch, 0)
     assert not np.array_equal(a, other)  # another seed, other instances
 
@@ -149,6 +156,7 @@ def test_tiny_run_with_the_mix_saves_a_checkpoint_and_resumes(tmp_path, capsys) 
     argv += ["--stdlib-dir", str(std), "--seq-len", "256", "--batch-size", "2", "--max-steps"]
     argv += ["2", "--warmup-steps", "1", "--workers", "1", "--device", "cpu", "--val-windows"]
     argv += ["1", "--log-every", "1", "--task-mix", "0.5", "--task-mix-tasks", "niah_single"]
+    argv += ["--task-mix-workers", "0"]
     assert main([*argv, *TINY, "--out", str(out / "ckpt")]) == 0
     printed = capsys.readouterr().out
     assert "task mix: 50% of the sequences are niah_single at contexts [256]" in printed
@@ -160,7 +168,8 @@ def test_tiny_run_with_the_mix_saves_a_checkpoint_and_resumes(tmp_path, capsys) 
     model, cfg, _ = load_model(out / "ckpt", device="cpu", dtype=torch.float32)
     assert cfg.max_position_embeddings >= 32768 and sum(p.numel() for p in model.parameters())
     # resume: the step count, the data position and the mix continue
-    assert main([*argv, "--out", str(out / "ckpt2"), "--resume", str(out / "ckpt")]) == 0
+    resume = ["--out", str(out / "ckpt2"), "--resume", str(out / "ckpt"), "--task-mix-workers"]
+    assert main([*argv, *resume, "1"]) == 0  # (the last flag wins: one worker process)
     state = json.loads((out / "train_state.json").read_text())
     assert (state["global_step"], state["data_position"], len(state["runs"])) == (4, 8, 2)
     assert state["runs"][-1]["task_mix"]["sequences"] == {"niah_single": 2}
