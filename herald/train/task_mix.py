@@ -201,8 +201,22 @@ class TaskMixer:
         k = task_ordinal(position, self.fraction)
         task = self.tasks[k % len(self.tasks)]
         context = self.contexts[(k // len(self.tasks)) % len(self.contexts)]
+        return self._build(
+            task, context, random.Random(f"herald-train-task:{self.seed}:{position}")
+        )
+
+    def probe(self) -> None:
+        """Build one instance of every task at the smallest context (the tightest fit), so that
+        a task the contexts cannot hold fails before training starts.
+
+        Raises:
+            ValueError: naming the task and the context.
+        """
+        for task in self.tasks:
+            self._build(task, min(self.contexts), random.Random(f"herald-probe:{self.seed}"))
+
+    def _build(self, task: str, context: int, rng: random.Random) -> TaskSequence:
         budget = context - self.ruler.answer_tokens
-        rng = random.Random(f"herald-train-task:{self.seed}:{position}")
         tail = min(CONTROL_TOKENS, budget // 4)
         try:
             inst = build_instance(task, self.source, self.codec, budget, rng, self.ruler, tail)
@@ -312,7 +326,9 @@ def build_mixer(
 ) -> TaskMixer:
     """A :class:`TaskMixer` over a :class:`CorpusTaskSource` of ``files`` (``kw`` as there)."""
     source = CorpusTaskSource(files, site_roots, stdlib_roots, stdlib_texts)
-    return TaskMixer(source, codec, **kw)
+    mixer = TaskMixer(source, codec, **kw)
+    mixer.probe()
+    return mixer
 
 
 def mixer_for(cfg: TrainConfig, data: PreparedData, codec: TextCodec) -> TaskMixer | None:

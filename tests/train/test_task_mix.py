@@ -174,6 +174,11 @@ def test_tiny_run_with_the_mix_saves_a_checkpoint_and_resumes(tmp_path, capsys) 
     assert (state["global_step"], state["data_position"], len(state["runs"])) == (4, 8, 2)
     assert state["runs"][-1]["task_mix"]["sequences"] == {"niah_single": 2}
     assert "resumed from" in capsys.readouterr().out
+    # a task the contexts cannot hold fails before any step (probed at the smallest context)
+    many = [a if a != "niah_single" else "niah_single,niah_multikey" for a in argv]
+    assert main([*many, *TINY, "--out", str(tmp_path / "other" / "ckpt")]) == 2
+    err = capsys.readouterr()
+    assert "niah_multikey at context 256" in err.err and "step " not in err.out
 
 
 def test_task_mix_values_and_the_large_preset(tmp_path, capsys) -> None:
