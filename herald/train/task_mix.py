@@ -20,6 +20,16 @@ fraction up to one sequence. The ``k``-th task sequence is task ``tasks[k mod T]
 (``seed``, ``p``). A sequence depends only on the seed, the corpus, the tokenizer and ``p``: the
 mix is deterministic and a resumed run continues it (its position carries over).
 
+The loss (:mod:`herald.train.objective`) is unchanged for a task sequence: each block is
+masked at its own ratio ``t ~ U(eps, 1)`` and the cross-entropy is taken at the masked
+positions, so the answer's block is denoised as ``herald eval`` decodes it (the prompt's clean
+blocks before it, the answer block partly masked). Only the answer tokens (``" answer\n"``)
+get extra weight, ``task_answer_weight`` (32 by default): they are the only tokens of the
+sequence that need its far context, about 5-40 of 4K-32K, so with plain weights they would
+carry a few ten-thousandths of the loss. With 32, at ``--task-mix 0.5``, batch 2 and 16K,
+they carry ~1% of it; the haystack (training-corpus code) keeps the plain code objective, so
+the code loss is trained on nearly every token as before.
+
 Disjoint from the evaluation: the evaluation's haystacks are files of the interpreter's standard
 library (:mod:`herald.eval.sources`); the training corpus walks only the third-party site
 directories, never enters a stdlib root, and drops files that copy the stdlib
