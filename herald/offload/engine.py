@@ -353,9 +353,15 @@ class OffloadEngine(Engine):
 
     def _last_block(self, req: Request) -> bool:
         """True when ``req`` ends with the current block by length (then no request of a batch
-        made only of such needs the next block's selection)."""
-        added = self.block_size - max(0, req.prompt_len - req.block_start)  # this block's tokens
-        return req.reaches_length(added)
+        made only of such needs the next block's selection).
+
+        NOTE: from the block's position, not from ``output_ids``: a row's block tokens are
+        appended at the step its last mask is accepted, so a count of them would read "last
+        block" one step early for a row that finished its masks at step 0 or 1, and then the
+        fused draft step's selection would be skipped when the row runs alone but not next to a
+        slower mate (other selection inputs, other tokens)."""
+        end = min(req.prompt_len + req.params.max_new_tokens, req.layout.total_len)
+        return req.block_start + self.block_size >= end
 
     def _commit(self) -> list[Request]:
         b = self.block_size

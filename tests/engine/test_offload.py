@@ -495,15 +495,18 @@ def test_lookahead_off_counts_the_synchronous_selection_as_stall():
     assert last.retrieval == 0 and last.retrieval_start is None
 
 
-def test_next_selection_comes_from_the_draft_whatever_the_batch_mates():
+@pytest.mark.parametrize("max_new_tokens", [65, 2])
+def test_next_selection_comes_from_the_draft_whatever_the_batch_mates(max_new_tokens):
     """A request whose block has no mask left after step 0 (here: its first block holds 31 prompt
     tokens and one mask) still takes the draft step, so its next block is selected from its
-    draft alone and next to a slower batch mate alike: the same inputs, the same tokens."""
+    draft alone and next to a slower batch mate alike: the same inputs, the same tokens. With
+    max_new_tokens=2 the next block is its last: the block's token, already in output_ids after
+    step 0, must not make this block look like the last one when it runs alone."""
     model, config = _model("tiny-llada2")
     b = config.block_size
     a = _prompts(config, [2 * b - 1], seed=21)[0]  # first block: 31 prompt tokens + 1 mask
     mate = _prompts(config, [b], seed=22)[0]  # first block: 32 masks
-    params = SamplingParams(max_new_tokens=65)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.3, selection_threads=2)
 
     def run(prompts):
