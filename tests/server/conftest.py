@@ -71,16 +71,19 @@ def start_server(
     api_key: str | None = None,
     mode: str = "dense",
     offload: OffloadConfig | None = None,
+    model: str = MODEL,
     limits: FrontLimits = FRONT_DEFAULTS,
     **engine_fields: object,
 ) -> LiveServer:
-    """A live server over ``herald serve``'s engine and front settings with ``engine_fields``
-    changed, on a port the system picks (bound before the model loads, as ``herald serve``)."""
+    """A live server of ``model`` over ``herald serve``'s engine and front settings with
+    ``engine_fields`` changed, on a port the system picks (bound before the model loads, as
+    ``herald serve``)."""
     if mode != "dense" and offload is None:
         offload = OffloadConfig.for_mode(mode)
-    engine = SERVE_DEFAULTS.replace(max_seq_len=MAX_SEQ_LEN, offload=offload, **engine_fields)
+    fields = {"max_seq_len": MAX_SEQ_LEN, "offload": offload, **engine_fields}
+    engine = SERVE_DEFAULTS.replace(**fields)
     sock = reserve_port("127.0.0.1", 0)
-    app = build_app(MODEL, engine, device="cpu", dtype=dtype, api_key=api_key, limits=limits)
+    app = build_app(model, engine, device="cpu", dtype=dtype, api_key=api_key, limits=limits)
     server = make_server(app, sock, limits=limits, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
