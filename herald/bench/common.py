@@ -127,3 +127,38 @@ def register_benchmark(
     )
     add_arguments(p)
     p.set_defaults(handler=handler)
+
+
+def benchmark_parser(
+    prog: str, doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None]
+) -> argparse.ArgumentParser:
+    """The parser of ``python -m PROG`` (the options of ``herald bench NAME``)."""
+    from herald.cliargs import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def benchmark_main(
+    parser: argparse.ArgumentParser,
+    handler: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """``python -m PROG``: parse ``argv`` and run; a user error prints one ``error:`` line and
+    exits 2, a run that failed (e.g. a full-size model that does not fit) exits 1; ``--debug``
+    re-raises."""
+    args = parser.parse_args(argv)
+    try:
+        return handler(args)
+    except (ValueError, OSError, KeyError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, MemoryError) as e:
+        if args.debug:
+            raise
+        print(f"error: {type(e).__name__}: {str(e)[:300]} (--debug for the traceback)",
+              file=sys.stderr)  # fmt: skip
+        return 1

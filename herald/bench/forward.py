@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,15 @@ import torch
 from herald.bench import forward_floor as ff
 from herald.bench import forward_point as fp
 from herald.bench import forward_report as report
-from herald.bench.common import append_jsonl, register_benchmark
+from herald.bench.common import (
+    append_jsonl,
+    benchmark_main,
+    benchmark_parser,
+    register_benchmark,
+)
 from herald.bench.forward_point import Point, check_memory
 from herald.bench.throughput_records import log
-from herald.cliargs import HelpFormatter, add_list
+from herald.cliargs import add_list
 
 JSONL_NAME = "forward.jsonl"
 DEFAULT_MODELS = ["llada2-mini", "sdar-8b-chat"]
@@ -403,28 +407,11 @@ def register(subparsers: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m herald.bench.forward", description=__doc__, formatter_class=HelpFormatter
-    )
-    add_arguments(p)
-    return p
+    return benchmark_parser("python -m herald.bench.forward", __doc__, add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError, KeyError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, MemoryError) as e:
-        if args.debug:
-            raise
-        print(f"error: {type(e).__name__}: {str(e)[:300]} (--debug for the traceback)",
-              file=sys.stderr)  # fmt: skip
-        return 1
+    return benchmark_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,17 @@ plots from ``DIR/*.jsonl``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from herald.bench import throughput_plan as plan
-from herald.bench.common import register_benchmark
+from herald.bench.common import benchmark_main, benchmark_parser, register_benchmark
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.bench.throughput_records import JSONL_NAME, load_records, log
 from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
-from herald.cliargs import HelpFormatter, add_list, deprecated_alias
+from herald.cliargs import add_list, deprecated_alias
 from herald.config import DEFAULT_KV_PAD, check_kv_pad
 
 __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
@@ -388,32 +387,11 @@ def register(subparsers: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m herald.bench.throughput",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
-    add_arguments(p)
-    return p
+    return benchmark_parser("python -m herald.bench.throughput", __doc__, add_arguments)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, MemoryError) as e:  # e.g. a full-size model that does not fit
-        if args.debug:
-            raise
-        print(
-            f"error: {type(e).__name__}: {str(e)[:300]} (--debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+    return benchmark_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
