@@ -12,7 +12,9 @@ Two guards, both bounded by :class:`~herald.server.defaults.FrontLimits`:
   is above ``max_body_bytes``, then reads the body itself within ``body_timeout_s`` (408 after
   it) counting a chunked body's bytes (413 once above the limit), and hands the routes the whole
   body. Its errors are in the OpenAI shape and close the connection, since the rest of the body
-  is never read.
+  is never read; a refused request whose body is declared small (<= ``DRAIN_BYTES``) has it read
+  and dropped first, within ``DRAIN_SECONDS`` (then the connection stays open), so the close
+  does not reset a connection whose client has already sent its body.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from herald.server.defaults import FrontLimits
 PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
 """Paths (and the paths under them) that need ``Authorization: Bearer <key>`` when the server
 has an API key; ``/health`` and ``/metrics`` stay open."""
+
+
+DRAIN_BYTES = 64 * 1024
+"""A refused request's body up to this size is read (and dropped) before the refusal is sent."""
+DRAIN_SECONDS = 1.0
+"""How long a refused request's small body is waited for."""
 
 
 def is_protected(path: str, protected: tuple[str, ...] = PROTECTED_PATHS) -> bool:
@@ -132,7 +140,8 @@ class FrontMiddleware:
         has_body = chunked or (length is not None and length.strip() != "0")
         refusal = self._refusal(scope, headers, length)
         if refusal is not None:
-            await _reply(scope, receive, send, *refusal, close=has_body)
+            drained = has_body and await self._drain_small_body(receive, length, chunked)
+            await _reply(scope, receive, send, *refusal, close=has_body and not drained)
             return
         if not has_body:
             await self.app(scope, receive, send)
@@ -172,6 +181,24 @@ class FrontMiddleware:
             if n > self.limits.max_body_bytes:
                 return self._too_large()
         return None
+
+    async def _drain_small_body(self, receive: Receive, length: str | None, chunked: bool) -> bool:
+        """Read and drop a refused request's body when it is declared small (a Content-Length
+        of at most :data:`DRAIN_BYTES`), waiting at most :data:`DRAIN_SECONDS` for it; True when
+        all of it was read. NOTE: closing a connection with unread bytes in its receive buffer
+        makes the kernel send a reset, which can reach the client before it has read the
+        refusal (it then sees "connection reset" instead of the 401); a small body that came
+        with the headers is read first. A large or late body is not waited for."""
+        if chunked or length is None or not length.strip().isdigit():
+            return False
+        if int(length) > min(DRAIN_BYTES, self.limits.max_body_bytes):
+            return False
+        try:
+            async with asyncio.timeout(min(DRAIN_SECONDS, self.limits.body_timeout_s)):
+                await self._read_body(receive)
+        except (TimeoutError, _TooLarge, _Disconnected):
+            return False
+        return True
 
     def _too_large(self) -> tuple[int, str, str]:
         limit = self.limits.max_body_bytes
