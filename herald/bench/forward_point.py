@@ -264,18 +264,25 @@ def open_engine(
 @dataclass
 class ForwardCall:
     """One forward exactly as the engine runs it: its attention prepared, then the runner
-    (CUDA-graph replay once captured). :meth:`eager` runs the model itself instead."""
+    (CUDA-graph replay once captured), under inference mode as the engine's step.
+    :meth:`eager` runs the model itself instead.
+
+    NOTE: outside inference mode a compiled piece's grad-mode guard fails and it recompiles
+    inside the graph capture (the capture is then invalidated: cudaErrorStreamCaptureInvalidated
+    on the H200), and the forward would record autograd state the engine never does."""
 
     engine: Any
     prepare: Callable[[], None]
     ids: torch.Tensor
     positions: torch.Tensor
 
+    @torch.inference_mode()
     def __call__(self) -> torch.Tensor:
         self.prepare()
         out: torch.Tensor = self.engine.runner.forward(self.ids, self.positions, self.engine.attn)
         return out
 
+    @torch.inference_mode()
     def eager(self) -> torch.Tensor:
         self.prepare()
         out: torch.Tensor = self.engine.model(self.ids, self.positions, self.engine.attn)

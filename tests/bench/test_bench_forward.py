@@ -212,3 +212,22 @@ def test_dry_run_lists_the_targets_with_their_floors(capsys, no_model):
     out = capsys.readouterr().out
     assert "llada2-mini   herald-draft  32K      80" in out and "<= 26 ms" in out
     assert "<= 1.3x floor" in out and "prefill: 16K prompts" in out
+
+
+def test_the_timed_forward_runs_in_inference_mode_as_the_engines_step():
+    """Outside inference mode a compiled piece recompiles for grad mode inside the CUDA-graph
+    capture, which invalidates it (the H200 run failed so); on any device the forward must not
+    record autograd state."""
+    from herald.models.loader import load_model
+
+    st = forward_point.Settings(device=torch.device("cpu"), steps=2, selection_threads=1)
+    model, cfg, _ = load_model("tiny-llada2", device="cpu", dtype=torch.float32,
+                               random_init_seed=0, block_size=32)  # fmt: skip
+    ps = forward_point.point_settings(model, cfg, st, None)
+    engine, _ = forward_point.open_engine(ps, "tiny-llada2", 64, 1, "dense", st)
+    try:
+        call = forward_point.forward_call(engine, "dense")
+        for out in (call(), call.eager()):
+            assert out.is_inference() and not out.requires_grad
+    finally:
+        engine.close()
