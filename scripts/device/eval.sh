@@ -16,7 +16,7 @@
 # whole part comes back as ONE archive, $OUT/eval-<part>.tgz (the folder itself is removed after
 # packing): unpack it on the dev machine with tar xzf eval-<part>.tgz -C <dest> (gives <dest>/<part>).
 # Merge on the dev machine: unpack each part of one run into one folder, then
-#   python -m herald.cli eval --report --out results/eval/<run>
+#   python -m herald eval --report --out results/eval/<run>
 # (parts of one run only: --report refuses a folder that mixes models or example selections).
 # To finish a cut-short part: copy it back to $OUT/eval/<part> first (e.g. from the committed
 # results/eval/<run>/<part>) and rerun the same part: finished units are skipped.
@@ -57,9 +57,9 @@ esac
 args+=(${EXTRA:-})
 echo "herald eval ${args[*]}"
 if [ "$PART" = "all" ]; then
-  python3 -m herald.cli eval "${args[@]}"
+  python3 -m herald eval "${args[@]}"
 else
-  timeout 570 python3 -m herald.cli eval "${args[@]}"
+  timeout 570 python3 -m herald eval "${args[@]}"
 fi
 rc=$?
 echo "herald eval exit $rc"

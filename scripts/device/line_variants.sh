@@ -36,7 +36,7 @@ for setting in ${SETTINGS:-cross_file_first cross_file_random cross_file_later};
   for cap in ${CAPS:-1024 4096}; do
     dest=$ROOT/$setting-in$cap
     echo "== $setting, in-file cap $cap, n $n"
-    timeout 300 python3 -m herald.cli eval --model "$CKPT" --out "$dest" --task line \
+    timeout 300 python3 -m herald eval --model "$CKPT" --out "$dest" --task line \
       --contexts "${CONTEXT:-8192}" --modes dense -n "$n" --seed "${SEED:-1}" \
       --line-setting "$setting" --infile-tokens "$cap" --analysis-examples 0 \
       --time-limit-s "${TIME_LIMIT:-200}" 2>&1 | grep -oE "NOTE: .*|line_[0-9]+_[a-z]+: score .*"

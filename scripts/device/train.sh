@@ -51,7 +51,7 @@ fi
 # shellcheck disable=SC2206
 args+=(${EXTRA:-})
 echo "herald train ${args[*]}"
-python3 -m herald.cli train "${args[@]}"
+python3 -m herald train "${args[@]}"
 rc=$?
 echo "herald train exit $rc"
 ls -l "$DEST" "$DEST/ckpt" 2>/dev/null
@@ -68,7 +68,7 @@ src = Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"
 text = "\n".join(src.read_text().split("\n")[:60]) + "\n"
 Path(sys.argv[1]).write_text(format_document("json/decoder.py", text))
 EOF
-  HERALD_COMPILE=0 timeout 40 python3 -m herald.cli generate --model "$DEST/ckpt" \
+  HERALD_COMPILE=0 timeout 40 python3 -m herald generate --model "$DEST/ckpt" \
     --prompt-file "$prompt" --max-new-tokens 96 --device cpu --quiet 2>&1 | tail -20
 fi
 exit 0
