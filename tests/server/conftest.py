@@ -72,18 +72,19 @@ def start_server(
     mode: str = "dense",
     offload: OffloadConfig | None = None,
     model: str = MODEL,
+    device: str = "cpu",
     limits: FrontLimits = FRONT_DEFAULTS,
     **engine_fields: object,
 ) -> LiveServer:
-    """A live server of ``model`` over ``herald serve``'s engine and front settings with
-    ``engine_fields`` changed, on a port the system picks (bound before the model loads, as
+    """A live server of ``model`` on ``device`` over ``herald serve``'s engine and front settings
+    with ``engine_fields`` changed, on a port the system picks (bound before the model loads, as
     ``herald serve``)."""
     if mode != "dense" and offload is None:
         offload = OffloadConfig.for_mode(mode)
     fields = {"max_seq_len": MAX_SEQ_LEN, "offload": offload, **engine_fields}
     engine = SERVE_DEFAULTS.replace(**fields)
     sock = reserve_port("127.0.0.1", 0)
-    app = build_app(model, engine, device="cpu", dtype=dtype, api_key=api_key, limits=limits)
+    app = build_app(model, engine, device=device, dtype=dtype, api_key=api_key, limits=limits)
     server = make_server(app, sock, limits=limits, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -2,9 +2,10 @@
 prompts sent at once, each reply equal to the same prompt sent alone.
 
 The embedded trained model (real text, real attention patterns, so real near-ties in the
-offloading modes' selections), bf16 on the CPU, at each mode's default budget. Eight running
-requests at most and a prefill budget of 256 tokens per boundary, so the prompts queue, join at
-different boundaries next to different mates, and long ones prefill over several boundaries.
+offloading modes' selections), bf16 on the CPU (and on a CUDA GPU, marked gpu), at each mode's
+default budget. Eight running requests at most and a prefill budget of 256 tokens per boundary,
+so the prompts queue, join at different boundaries next to different mates, and long ones
+prefill over several boundaries.
 One or two blocks per reply (the second block's selection is the retrieval stream's), two or
 three denoising steps per block, so the whole test stays within CPU minutes.
 What a reply may not depend on: its batch mates (attention over padded key lengths, the
@@ -53,10 +54,14 @@ def bodies() -> list[dict[str, Any]]:
     return _bodies()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", ["dense", "herald", "mage", "infinigen"])
-def test_every_reply_equals_the_same_prompt_alone(mode: str, bodies: list[dict[str, Any]]) -> None:
-    srv = start_server(dtype=torch.bfloat16, mode=mode, model=MODEL, max_batch_size=8,
-                       max_seq_len=1024, max_prefill_tokens=256, max_waiting=64)  # fmt: skip
+def test_every_reply_equals_the_same_prompt_alone(
+    mode: str, device: str, bodies: list[dict[str, Any]]
+) -> None:
+    srv = start_server(dtype=torch.bfloat16, mode=mode, model=MODEL, device=device,
+                       max_batch_size=8, max_seq_len=1024, max_prefill_tokens=256,
+                       max_waiting=64)  # fmt: skip
     try:
         with httpx.Client(base_url=srv.url, timeout=CLIENT_TIMEOUT) as c:
 
@@ -71,4 +76,6 @@ def test_every_reply_equals_the_same_prompt_alone(mode: str, bodies: list[dict[s
     finally:
         srv.close()
     differ = [i for i, (t, a) in enumerate(zip(together, alone, strict=True)) if t != a]
-    assert not differ, f"{mode}: {len(differ)} of {len(bodies)} replies differ: {differ}"
+    assert not differ, (
+        f"{mode} on {device}: {len(differ)} of {len(bodies)} replies differ: {differ}"
+    )
