@@ -73,3 +73,7 @@ def make_engine(
 
     cfg = EngineConfig(offload=offload, **engine_fields)
     return build_engine(model, config, cfg, hooks, cpu_pool=cpu_pool)
+
+
+TINY_PRESETS = ("tiny-sdar", "tiny-llada2")
+"""The tiny architectures every model test runs on."""

@@ -10,8 +10,6 @@ import torch
 
 from herald.models.loader import write_random_checkpoint
 
-TINY_PRESETS = ("tiny-sdar", "tiny-llada2")
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_PRESETS
-from helpers import ExactAttention
+from helpers import TINY_PRESETS, ExactAttention
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

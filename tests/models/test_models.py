@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_PRESETS
-from helpers import ExactAttention
+from helpers import TINY_PRESETS, ExactAttention
 from naive import forward_logits
 from safetensors.torch import load_file
 

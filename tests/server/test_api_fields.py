@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, MAX_SEQ_LEN, MODEL, TIMEOUT, LiveServer, Offline
+from server_kit import API_KEY, MAX_SEQ_LEN, MODEL, TIMEOUT, LiveServer, Offline
 
 import herald
 from herald import env

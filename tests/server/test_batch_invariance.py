@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import start_server
+from server_kit import start_server
 
 from herald.models.loader import load_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer
+from server_kit import LiveServer
 
 from herald.models.registry import get_preset
 from herald.models.tokenizer import byte_level_tokenizer

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from conftest import Offline, start_server
 from engine_gate import engine_gate
+from server_kit import Offline, start_server
 
 from herald.config import SamplingParams
 

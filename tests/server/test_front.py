@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import API_KEY, TIMEOUT, LiveServer, start_server
+from server_kit import API_KEY, TIMEOUT, LiveServer, start_server
 
 from herald.server.defaults import FrontLimits
 

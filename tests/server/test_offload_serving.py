@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import (
+from helpers import make_engine
+from server_kit import (
     MAX_SEQ_LEN,
     MODEL,
     SAMPLED,
@@ -26,7 +27,6 @@ from conftest import (
     assert_server_matches_cli,
     start_server,
 )
-from helpers import make_engine
 
 from herald.cli import main as cli_main
 from herald.config import OffloadConfig, SamplingParams

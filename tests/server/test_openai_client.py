@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL, LiveServer, Offline
+from server_kit import MODEL, LiveServer, Offline
 
 from herald.config import SamplingParams
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import MODEL, LiveServer, Offline
+from server_kit import MODEL, LiveServer, Offline
 
 from herald.config import SamplingParams
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import (
+from engine_gate import engine_gate, running
+from server_kit import (
     API_KEY,
     MAX_SEQ_LEN,
     MODEL,
@@ -26,7 +27,6 @@ from conftest import (
     assert_server_matches_cli,
     start_server,
 )
-from engine_gate import engine_gate, running
 
 from herald.config import SamplingParams
 

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import TIMEOUT, LiveServer, start_server
+from server_kit import TIMEOUT, LiveServer, start_server
 
 from herald import onednn
 from herald.offload.engine import OffloadEngine
