@@ -218,7 +218,9 @@ int Selection::plan(int T) {
       it.goff = groups;
       groups += groups_of(it.npages);
     }
-    if (a.output_mode == 0) go_.assign(static_cast<size_t>(groups) * Qn_ * D_, 0.0f);
+    // Not zeroed here: each group's partial is cleared by the unit holding its first page
+    // (units start on group boundaries), on that unit's thread.
+    if (a.output_mode == 0) go_.resize(static_cast<size_t>(groups) * Qn_ * D_);
     im_.resize(items_.size() * Qn_);
     il_.resize(items_.size() * Qn_);
   }
