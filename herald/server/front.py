@@ -136,11 +136,12 @@ class FrontMiddleware:
             return
         headers = Headers(scope=scope)
         length = headers.get("content-length")
+        declared = _declared_length(length)
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        has_body = chunked or (length is not None and length.strip() != "0")
-        refusal = self._refusal(scope, headers, length)
+        has_body = chunked or (length is not None and declared != 0)
+        refusal = self._refusal(scope, headers, length, declared)
         if refusal is not None:
-            drained = has_body and await self._drain_small_body(receive, length, chunked)
+            drained = has_body and await self._drain_small_body(receive, declared, chunked)
             await _reply(scope, receive, send, *refusal, close=has_body and not drained)
             return
         if not has_body:
@@ -161,9 +162,10 @@ class FrontMiddleware:
         await self.app(scope, _replay(body, receive), send)
 
     def _refusal(
-        self, scope: Scope, headers: Headers, length: str | None
+        self, scope: Scope, headers: Headers, length: str | None, declared: int | None
     ) -> tuple[int, str, str] | None:
-        """(status, message, code) of a request refused on its headers alone, else None."""
+        """(status, message, code) of a request refused on its headers alone, else None
+        (``declared``: :func:`_declared_length` of the ``length`` header)."""
         key = self.api_key()
         path: str = scope["path"]
         authorization = headers.get("authorization", "")
@@ -173,25 +175,22 @@ class FrontMiddleware:
             and not key_matches(authorization, key)
         ):
             return 401, "invalid or missing API key", "invalid_api_key"
-        if length is not None:
-            try:
-                n = int(length)
-            except ValueError:
-                return 400, f"Content-Length {length!r} is not a number", "invalid_content_length"
-            if n > self.limits.max_body_bytes:
-                return self._too_large()
+        if length is not None and declared is None:
+            return 400, f"Content-Length {length!r} is not a number", "invalid_content_length"
+        if declared is not None and declared > self.limits.max_body_bytes:
+            return self._too_large()
         return None
 
-    async def _drain_small_body(self, receive: Receive, length: str | None, chunked: bool) -> bool:
+    async def _drain_small_body(
+        self, receive: Receive, declared: int | None, chunked: bool
+    ) -> bool:
         """Read and drop a refused request's body when it is declared small (a Content-Length
         of at most :data:`DRAIN_BYTES`), waiting at most :data:`DRAIN_SECONDS` for it; True when
         all of it was read. NOTE: closing a connection with unread bytes in its receive buffer
         makes the kernel send a reset, which can reach the client before it has read the
         refusal (it then sees "connection reset" instead of the 401); a small body that came
         with the headers is read first. A large or late body is not waited for."""
-        if chunked or length is None or not length.strip().isdigit():
-            return False
-        if int(length) > min(DRAIN_BYTES, self.limits.max_body_bytes):
+        if chunked or declared is None or declared > min(DRAIN_BYTES, self.limits.max_body_bytes):
             return False
         try:
             async with asyncio.timeout(min(DRAIN_SECONDS, self.limits.body_timeout_s)):
@@ -236,6 +235,15 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _declared_length(length: str | None) -> int | None:
+    """A Content-Length header's value: its number, or None when it is absent or not a
+    non-negative number."""
+    if length is None:
+        return None
+    text = length.strip()
+    return int(text) if text.isdigit() else None
 
 
 async def _reply(
