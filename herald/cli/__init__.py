@@ -1,4 +1,4 @@
-"""Command line: ``herald generate | serve | eval | train | bench throughput|forward |
+"""Command line: ``herald generate | serve | eval | train | bench throughput|forward|serve |
 init-random``.
 
 ``herald generate`` decodes prompts (dense, or an offloading mode: herald, mage, infinigen) and
@@ -7,7 +7,8 @@ CPU. ``herald serve`` runs the OpenAI-compatible HTTP server (:mod:`herald.serve
 ``herald eval`` measures long-context accuracy (:mod:`herald.eval`), ``herald train`` trains the
 small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decode throughput
 (:mod:`herald.bench.throughput`), ``herald bench forward`` times the GPU forward against its
-floor (:mod:`herald.bench.forward`), ``herald init-random`` writes a random-weight checkpoint.
+floor (:mod:`herald.bench.forward`), ``herald bench serve`` loads a real ``herald serve``
+(:mod:`herald.bench.serve`), ``herald init-random`` writes a random-weight checkpoint.
 Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
 """
 
@@ -51,12 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     # Research subcommands (each sets args.handler); the serving core never imports them.
     from herald.bench import forward, throughput
+    from herald.bench import serve as serve_bench
     from herald.eval.cli import register as register_eval
     from herald.train.cli import register as register_train
 
     register_eval(sub)
     throughput.register(sub)
     forward.register(sub)
+    serve_bench.register(sub)
     register_train(sub)
     use_help_formatter(parser)
     return parser

@@ -1,0 +1,346 @@
+"""End-to-end load benchmark of ``herald serve`` over loopback.
+
+``herald bench serve`` (or ``python -m herald.bench.serve``) starts the real server in this
+process (uvicorn on 127.0.0.1, a free port; the engine flags as ``herald serve``'s), or with
+``--url`` uses a server already running, and loads it through the official ``openai`` client:
+streaming completions of real text from the local Python standard library, cut to exactly
+``--prompt-tokens`` of the model's tokens (:mod:`herald.bench.serve_prompts`), one load level per
+``--concurrency`` value and prompt length, ``--requests`` per level, each level cut off after
+``--duration-limit-s`` (the requests left are cancelled and counted). Each level reports
+generated and prompt tokens/s over its wall time, time to first chunk, time between chunks and
+end-to-end latency (p50 / p90 / p99) and its completed / failed / cancelled counts
+(:mod:`herald.bench.serve_client`). One JSON line per level is appended to
+``OUT/serve_bench.jsonl`` after a line naming the machine, code and command, and ``OUT/README.md``
+is rebuilt from every record there. ``--throughput-point`` adds, per level, ``herald bench
+throughput``'s decode figure for the same configuration (:mod:`herald.bench.serve_point`).
+
+On a CPU, with the embedded model::
+
+    herald bench serve --device cpu --prompt-tokens 256 --concurrency 1 4 --requests 8 \\
+        --max-tokens 64 --steps 4 --throughput-point --out /tmp/serve-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from herald.bench.common import benchmark_main, benchmark_parser, register_benchmark
+from herald.bench.serve_client import server_card
+from herald.bench.serve_prompts import StdlibPrompts
+from herald.bench.serve_report import JSONL_NAME, group_runs, load_records, table, write_readme
+from herald.bench.serve_run import (
+    InProcessServer,
+    Plan,
+    Records,
+    level_head,
+    run_levels,
+    run_points,
+)
+from herald.bench.throughput_records import log
+from herald.cliargs import add_list
+from herald.config import OffloadConfig, resolve_device
+from herald.engines import MODES
+
+_POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
+_SERVER_FLAGS = ("mode", "device", "dtype", *_POOL_FLAGS, "max_batch_size", "max_seq_len",
+                 "max_prefill_tokens")  # fmt: skip
+"""Flags of the server this benchmark starts (refused with ``--url``)."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's flags, as ``herald serve``'s."""
+    p.add_argument(
+        "--model",
+        default="code-sdar",
+        help="checkpoint directory, bundled "
+        "checkpoint (code-sdar) or preset; with --url, the tokenizer's model",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="default: bf16 on a GPU "
+        "or with an offloading --mode (bf16 only), fp32 for dense on the CPU",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="load the server already running at this "
+        "address (http://HOST:PORT) instead of starting one",
+    )
+    p.add_argument("--api-key", default=None, help="Bearer key of the --url server")
+    p.add_argument("--mode", default=None, choices=list(MODES), help="engine (default: dense)")
+    p.add_argument("--kv-budget", type=float, default=None, help="offloading modes' KV budget")
+    p.add_argument("--cpu-kv-gb", type=float, default=None, help="offloading modes: CPU pool GiB")
+    p.add_argument("--cpu-kv-tokens", type=int, default=None, help="CPU pool size in tokens")
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="running requests at most (default: the largest --concurrency)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="tokens per request (default: the longest prompt + --max-tokens)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per block boundary (default: herald serve's)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="a preset's weights; the prompts' order")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_server_arguments(p)
+    add_list(
+        p,
+        "--prompt-tokens",
+        kind=int,
+        default=[256],
+        metavar="TOKENS",
+        help="prompt length(s) in the model's tokens",
+    )
+    add_list(
+        p,
+        "--concurrency",
+        kind=int,
+        default=[1, 4],
+        metavar="N",
+        help="requests in flight, one load level each",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per level (default: twice its concurrency)",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="denoising steps per block, sent as the request's steps (0: not sent)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode to --max-tokens past EOS",
+    )
+    p.add_argument(
+        "--duration-limit-s",
+        type=float,
+        default=120.0,
+        help="a level's hard limit; requests left then are cancelled",
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="requests sent before each prompt length's levels, not recorded",
+    )
+    p.add_argument(
+        "--throughput-point",
+        action="store_true",
+        help="also measure herald bench throughput's point of each level",
+    )
+    p.add_argument("--out", type=Path, required=True, help="folder of serve_bench.jsonl, README")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, values in (
+        ("--concurrency", args.concurrency),
+        ("--prompt-tokens", args.prompt_tokens),
+    ):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ValueError(f"{flag} must be >= 1, got {bad[0]}")
+    for flag, value in (("--requests", args.requests), ("--max-batch-size", args.max_batch_size),
+                        ("--max-seq-len", args.max_seq_len),
+                        ("--max-prefill-tokens", args.max_prefill_tokens)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.steps < 0 or args.warmup_requests < 0:
+        raise ValueError("--steps and --warmup-requests must be >= 0")
+    if not (math.isfinite(args.duration_limit_s) and args.duration_limit_s > 0):
+        raise ValueError(
+            f"--duration-limit-s must be a positive number, got {args.duration_limit_s}"
+        )
+    if args.throughput_point and args.steps == 0:
+        raise ValueError("--throughput-point needs --steps >= 1 (the throughput benchmark decodes "
+                         "fixed steps per block)")  # fmt: skip
+
+
+def _load_tokenizer(model: str) -> tuple[Any, Any]:
+    """(config, tokenizer) of ``model`` without building it; ValueError for an unknown one."""
+    from herald.models.loader import BUNDLED_CHECKPOINTS, bundled_checkpoint, is_preset, load_config
+    from herald.models.registry import list_presets
+    from herald.models.tokenizer import byte_level_tokenizer, load_tokenizer
+
+    if not (Path(model).is_dir() or is_preset(model) or model in BUNDLED_CHECKPOINTS):
+        raise ValueError(
+            f"--model {model!r} is neither a checkpoint directory, a bundled checkpoint "
+            f"({', '.join(BUNDLED_CHECKPOINTS)}) nor a preset ({', '.join(list_presets())})"
+        )
+    config = load_config(model)
+    path = bundled_checkpoint(model) or Path(model)
+    tok = load_tokenizer(path, config) if path.is_dir() else byte_level_tokenizer(config)
+    return config, tok
+
+
+def _check_lengths(args: argparse.Namespace, context: int, what: str) -> None:
+    longest = max(args.prompt_tokens)
+    if longest > context - args.max_tokens:
+        raise ValueError(
+            f"--prompt-tokens {longest} + --max-tokens {args.max_tokens} is more than {what} "
+            f"({context} tokens): at most {context - args.max_tokens} prompt tokens"
+        )
+
+
+def _offload_config(args: argparse.Namespace, mode: str) -> OffloadConfig | None:
+    given = {name: getattr(args, name) for name in _POOL_FLAGS if getattr(args, name) is not None}
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    if mode == "dense":
+        if given:
+            raise ValueError(f"{flags}: offloading modes' flags; --mode dense keeps the KV on "
+                             "the device")  # fmt: skip
+        return None
+    if "cpu_kv_gb" in given and "cpu_kv_tokens" in given:
+        raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
+    for name in ("cpu_kv_gb", "cpu_kv_tokens"):
+        if name in given and not given[name] > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {given[name]}")
+    try:
+        return OffloadConfig.for_mode(mode, **given)
+    except ValueError as e:
+        raise ValueError(f"--mode {mode}: {e}") from None
+
+
+def _dtype(args: argparse.Namespace, mode: str, device: torch.device) -> torch.dtype:
+    if args.dtype is None:
+        return torch.bfloat16 if device.type == "cuda" or mode != "dense" else torch.float32
+    dtype = DTYPES[args.dtype]
+    if mode != "dense" and dtype != torch.bfloat16:
+        raise ValueError(f"--mode {mode} runs bf16 models: give --dtype bf16 or leave it out")
+    return dtype
+
+
+def _server_config(args: argparse.Namespace, mode: str, config: Any) -> tuple[Any, ...]:
+    """(offload, engine, context) of the server to start, every flag checked."""
+    from herald.server.defaults import SERVE_DEFAULTS
+
+    offload = _offload_config(args, mode)
+    model_ctx = config.max_position_embeddings
+    msl = args.max_seq_len or max(args.prompt_tokens) + args.max_tokens
+    context = min(msl, model_ctx)
+    if args.max_seq_len is not None and args.max_seq_len <= model_ctx:
+        _check_lengths(args, context, "--max-seq-len")
+    _check_lengths(args, context, f"the context of {args.model}, its max_position_embeddings")
+    waiting = max(SERVE_DEFAULTS.max_waiting or 0, max(args.concurrency))
+    engine = SERVE_DEFAULTS.replace(
+        max_batch_size=args.max_batch_size or max(args.concurrency), max_seq_len=context,
+        max_waiting=waiting, offload=offload,
+        max_prefill_tokens=args.max_prefill_tokens or SERVE_DEFAULTS.max_prefill_tokens,
+    )  # fmt: skip
+    engine.validate()
+    return offload, engine, context
+
+
+def check_args(args: argparse.Namespace) -> Plan:
+    """Every input checked before anything starts; ValueError with one line otherwise. The
+    prompts are built here too (a standard library too small for them is an input error)."""
+    _check_numbers(args)
+    if importlib.util.find_spec("openai") is None:
+        raise ValueError("herald bench serve loads the server through the openai client: "
+                         "pip install openai (it is in herald's dev extras)")  # fmt: skip
+    config, tok = _load_tokenizer(args.model)
+    if args.url is not None:
+        given = [f"--{d.replace('_', '-')}" for d in _SERVER_FLAGS if getattr(args, d) is not None]
+        if given or args.throughput_point:
+            flags = ", ".join(given + (["--throughput-point"] if args.throughput_point else []))
+            raise ValueError(f"{flags}: settings of the server this benchmark starts; with --url "
+                             "the running server's apply")  # fmt: skip
+        if not args.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be http://HOST:PORT, got {args.url!r}")
+        plan = Plan(
+            args, torch.device("cpu"), None, "?", None, None, config.max_position_embeddings
+        )
+    else:
+        mode = args.mode or "dense"
+        device = resolve_device(args.device)
+        dtype = _dtype(args, mode, device)
+        offload, engine, context = _server_config(args, mode, config)
+        plan = Plan(args, device, dtype, mode, offload, engine, context)
+    source = StdlibPrompts(tok, seed=args.seed)
+    n = max(max(plan.requests(c) for c in args.concurrency), args.warmup_requests)
+    plan.prompts = {p: [source.prompt(p, i) for i in range(n)] for p in args.prompt_tokens}
+    plan.source = source.describe()
+    return plan
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = check_args(args)
+    records = Records(args.out)
+    server = None
+    if args.url is None:
+        log(f"starting herald serve: {args.model}, {plan.mode}, {plan.device}")
+        server = InProcessServer(plan)
+        url = server.start()
+    else:
+        url = args.url.rstrip("/")
+    try:
+        card = server_card(url, args.api_key)
+        if args.url is not None:
+            _check_lengths(args, int(card.get("max_model_len") or plan.context),
+                           "the server's max_model_len")  # fmt: skip
+        info = server.describe() if server is not None else {
+            "max_seq_len": card.get("max_model_len"),
+            "block_size": card.get("herald", {}).get("block_size")}  # fmt: skip
+        head = level_head(plan, card, info)
+        failed = run_levels(plan, url, head, records)
+    finally:
+        net_config = server.stop() if server is not None else None
+    if args.throughput_point and net_config is not None:
+        run_points(plan, *net_config, head, records)
+    write_readme(args.out)
+    (this,) = [r for r in group_runs(load_records(args.out)) if r["levels"]
+               and r["levels"][0]["run_id"] == records.run_id]  # fmt: skip
+    print(table(this["levels"], this["points"]))
+    log(f"wrote {args.out / JSONL_NAME} and {args.out / 'README.md'}")
+    if failed:
+        print(f"error: {failed} request(s) failed (see the records' errors)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``herald bench serve`` to the ``herald`` command line."""
+    what = "end-to-end load on a real herald serve: tokens/s and latency percentiles"
+    register_benchmark(subparsers, "serve", what, __doc__, add_arguments, run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return benchmark_parser("python -m herald.bench.serve", __doc__, add_arguments)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchmark_main(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""The client side of ``herald bench serve``: one load level through the official ``openai``
+client, and its statistics.
+
+A level sends its prompts (token ids) as streaming completions, at most ``concurrency`` in
+flight at once, in order; after ``duration_limit_s`` every request still running or not yet sent
+is cancelled (its connection closed, which aborts it in the server) and counted as cancelled.
+Each request records the time to its first chunk with tokens, the times between its chunks (a
+herald stream sends one chunk per committed block) and, when it completes, its end-to-end
+latency; its generated tokens are the ``token_ids`` its chunks carry (herald's extension), else
+the usage the server reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Plain HTTP to the server, never through a proxy the environment names."""
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What every request of a level asks for."""
+
+    model: str
+    max_tokens: int
+    steps: int | None
+    """Denoising steps per block (herald's ``steps`` field), None: not sent."""
+    ignore_eos: bool
+    duration_limit_s: float
+    api_key: str | None = None
+
+    def extra_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"ignore_eos": True} if self.ignore_eos else {}
+        if self.steps is not None:
+            body["steps"] = self.steps
+        return body
+
+
+@dataclass
+class Outcome:
+    """One request: ``status`` completed, failed or cancelled (the limit came first)."""
+
+    status: str = "cancelled"
+    started: bool = False
+    first_chunk_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    latency_s: float | None = None
+    tokens: int = 0
+    usage_completion_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
+    error: str | None = None
+
+
+async def _stream(client: Any, ids: list[int], s: LoadSettings, o: Outcome) -> None:
+    o.started = True
+    t0 = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=s.model, prompt=ids, max_tokens=s.max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body=s.extra_body(),
+        )  # fmt: skip
+        async with stream:
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    o.usage_completion_tokens = chunk.usage.completion_tokens
+                    o.usage_prompt_tokens = chunk.usage.prompt_tokens
+                n = sum(len(getattr(c, "token_ids", None) or ()) for c in chunk.choices)
+                if n or any(c.text for c in chunk.choices):
+                    if o.first_chunk_s is None:
+                        o.first_chunk_s = now - t0
+                    else:
+                        o.gaps_s.append(now - last)
+                    last = now
+                    o.tokens += n
+        o.latency_s = time.perf_counter() - t0
+        if not o.tokens and o.usage_completion_tokens:
+            o.tokens = o.usage_completion_tokens  # a server without the token_ids extension
+        o.status = "completed"
+    except asyncio.CancelledError:
+        raise  # the limit: status stays "cancelled"
+    except Exception as e:  # noqa: BLE001  (an HTTP or API error: the request failed)
+        o.status, o.error = "failed", f"{type(e).__name__}: {str(e)[:200]}"
+
+
+async def run_level(
+    url: str, prompts: list[list[int]], concurrency: int, s: LoadSettings
+) -> tuple[list[Outcome], float]:
+    """Send ``prompts`` at ``concurrency``; the outcomes in prompt order and the level's wall
+    time (to the last request's end, or to the limit)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=s.api_key or "unused", max_retries=0,
+        timeout=s.duration_limit_s + 60,
+    )  # fmt: skip
+    outcomes = [Outcome() for _ in prompts]
+    gate = asyncio.Semaphore(concurrency)  # FIFO: requests are sent in prompt order
+
+    async def one(i: int) -> None:
+        async with gate:
+            await _stream(client, prompts[i], s, outcomes[i])
+
+    try:
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        _, pending = await asyncio.wait(tasks, timeout=s.duration_limit_s)
+        wall = time.perf_counter() - t0
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        await client.close()
+    return outcomes, wall
+
+
+def percentiles(xs: list[float]) -> dict[str, float | None]:
+    """p50, p90, p99 of ``xs`` (linear between order statistics; None when empty) and the
+    mean."""
+    out: dict[str, float | None] = {}
+    if not xs:
+        return out | {f"p{q}": None for q in PERCENTILES} | {"mean": None}
+    s = sorted(xs)
+    for q in PERCENTILES:
+        pos = q / 100 * (len(s) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out[f"p{q}"] = s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    out["mean"] = sum(s) / len(s)
+    return out
+
+
+def summarize(outcomes: list[Outcome], wall: float, prompt_tokens: int) -> dict[str, Any]:
+    """A level's counts, rates and percentiles. Generated tokens count every token received,
+    cancelled requests' included; prompt tokens count the prompts the server prefilled (those
+    whose first chunk arrived); both rates are over the level's wall time."""
+    done = [o for o in outcomes if o.status == "completed"]
+    prefilled = sum(o.first_chunk_s is not None for o in outcomes)
+    generated = sum(o.tokens for o in outcomes)
+    errors = sorted({o.error for o in outcomes if o.error})
+    return {
+        "completed": len(done),
+        "failed": sum(o.status == "failed" for o in outcomes),
+        "cancelled": sum(o.status == "cancelled" for o in outcomes),
+        "cancelled_in_flight": sum(o.status == "cancelled" and o.started for o in outcomes),
+        "errors": errors[:5],
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "prefilled_prompt_tokens": prefilled * prompt_tokens,
+        "generated_tokens_per_s": generated / wall if wall > 0 else None,
+        "prompt_tokens_per_s": prefilled * prompt_tokens / wall if wall > 0 else None,
+        "time_to_first_chunk_s": percentiles(
+            [o.first_chunk_s for o in outcomes if o.first_chunk_s is not None]
+        ),
+        "time_between_chunks_s": percentiles([g for o in outcomes for g in o.gaps_s]),
+        "latency_s": percentiles([o.latency_s for o in done if o.latency_s is not None]),
+        "completion_tokens_per_request": sorted({o.tokens for o in done}),
+        "prompt_tokens_reported": sorted(
+            {o.usage_prompt_tokens for o in outcomes if o.usage_prompt_tokens is not None}
+        ),
+    }
+
+
+def server_idle(url: str, timeout_s: float = 60.0) -> bool | None:
+    """Wait until the server at ``url`` runs and queues no request (its ``/metrics`` gauges),
+    at most ``timeout_s``: True when idle, False when still busy, None when it has no such
+    gauges."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with _OPENER.open(f"{url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        gauges = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("herald_requests_running", "herald_requests_waiting"):
+                gauges[name] = float(value)
+        if len(gauges) < 2:
+            return None
+        if not any(gauges.values()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def server_card(url: str, api_key: str | None) -> dict[str, Any]:
+    """The first model ``/v1/models`` of the server at ``url`` lists (id, max_model_len and
+    herald's mode, kv_budget, block_size where it reports them). Raises OSError when there is
+    none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(f"{url}/v1/models", headers=headers)
+    try:
+        with _OPENER.open(req, timeout=30) as r:
+            card: dict[str, Any] = json.loads(r.read())["data"][0]
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        raise OSError(f"no model list from {url}/v1/models ({type(e).__name__}: {e})") from None
+    return card

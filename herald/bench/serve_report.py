@@ -1,0 +1,140 @@
+"""The records of ``herald bench serve`` (``OUT/serve_bench.jsonl``) and the README built from
+them: one section per run, one table row per load level."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+JSONL_NAME = "serve_bench.jsonl"
+
+COLUMNS = (
+    "mode", "prompt tokens", "concurrency", "requests done / failed / cancelled", "wall s",
+    "generated tok/s", "prompt tok/s", "first chunk p50 / p90 / p99 s",
+    "between chunks p50 / p90 / p99 s", "latency p50 / p90 / p99 s", "throughput bench tok/s",
+)  # fmt: skip
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    """Every record of ``out/serve_bench.jsonl``, run heads included, in file order."""
+    path = out / JSONL_NAME
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def group_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``{"head", "levels", "points"}`` per run (``run_id``) in order of appearance; a run's
+    head is the last ``kind: run`` line before its first record."""
+    runs: dict[str, dict[str, Any]] = {}
+    head: dict[str, Any] | None = None
+    for r in records:
+        if r.get("kind") == "run":
+            head = r
+            continue
+        if r.get("bench") != "serve" or "run_id" not in r:
+            continue
+        run = runs.setdefault(r["run_id"], {"head": head, "levels": [], "points": []})
+        run["levels" if r.get("kind") == "level" else "points"].append(r)
+    return list(runs.values())
+
+
+def _s(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pcts(d: dict[str, float | None]) -> str:
+    return " / ".join(_s(d.get(k)) for k in ("p50", "p90", "p99"))
+
+
+def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
+    point = next((p for p in points if p["prompt_tokens"] == lv["prompt_tokens"]
+                  and p["concurrency"] == lv["concurrency"]), None)  # fmt: skip
+    if point is None:
+        tp = "-"
+    elif point["status"] == "ok":
+        tp = f"{point['decode_tokens_per_s']:.1f}"
+    else:
+        tp = str(point["status"])
+    mode = (
+        lv["mode"] if lv.get("kv_budget") in (None, 1.0) else f"{lv['mode']} ({lv['kv_budget']:g})"
+    )
+    cells = [
+        mode, str(lv["prompt_tokens"]), str(lv["concurrency"]),
+        f"{lv['completed']} / {lv['failed']} / {lv['cancelled']}", _s(lv["wall_s"], 2),
+        _s(lv["generated_tokens_per_s"], 1), _s(lv["prompt_tokens_per_s"], 1),
+        _pcts(lv["time_to_first_chunk_s"]), _pcts(lv["time_between_chunks_s"]),
+        _pcts(lv["latency_s"]), tp,
+    ]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(levels: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
+    head = "| " + " | ".join(COLUMNS) + " |\n| " + " | ".join("---" for _ in COLUMNS) + " |"
+    return "\n".join([head, *(_row(lv, points) for lv in levels)])
+
+
+def _machine(head: dict[str, Any] | None) -> str:
+    if head is None:
+        return "not recorded"
+    m = head.get("machine", {})
+    cpu = f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores"
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    code = head.get("code", {})
+    version = code.get("git") or code.get("source_sha256", "?")
+    return f"{cpu}{gpu}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; code {version}"
+
+
+def run_section(run: dict[str, Any]) -> str:
+    """One run: what ran where, its table, and the throughput command beside it."""
+    first, head = run["levels"][0], run["head"]
+    s = first["server"]
+    where = "in-process server" if first["url"] is None else f"server at {first['url']}"
+    lines = [
+        f"### {first['time_utc']}: {first['model']} on {first['device']} ({first['dtype']})",
+        "",
+        f"{where}; mode {first['mode']}, kv budget {first['kv_budget']}, max batch "
+        f"{s.get('max_batch_size')}, max seq len {s.get('max_seq_len')}, prefill budget "
+        f"{s.get('max_prefill_tokens')} tokens per boundary; max_tokens {first['max_tokens']}, "
+        f"steps {first['steps']}, ignore_eos {first['ignore_eos']}, limit "
+        f"{first['duration_limit_s']:g} s per level. Machine: {_machine(head)}.",
+    ]
+    if head is not None:
+        lines += ["", f"Command: `{head.get('command', '?')}`"]
+    lines += ["", table(run["levels"], run["points"])]
+    cmd = first.get("throughput_command")
+    if not run["points"] and cmd:
+        lines += ["", f"Throughput figure beside it (not measured in this run): `{cmd}`"]
+    bad = sorted({e for lv in run["levels"] for e in lv.get("errors", [])})
+    if bad:
+        lines += ["", "Errors: " + "; ".join(f"`{e}`" for e in bad[:5])]
+    return "\n".join(lines)
+
+
+INTRO = """# herald bench serve
+
+End-to-end load on a real `herald serve` over loopback, through the official `openai` client:
+streaming completions of real text (the local Python standard library's sources, cut to exactly
+the prompt length in the model's tokens), one load level per concurrency, each with a bounded
+number of requests and a hard time limit after which the rest are cancelled. Generated tok/s:
+every token received (cancelled requests' too) over the level's wall time; prompt tok/s: the
+prompts whose first chunk arrived, over the same time. First chunk: request sent to its first
+chunk with tokens (the first committed block, prefill included); between chunks: from one chunk
+to the next (one per block); latency: request to its last chunk, completed requests only. The
+client runs in the server's process. Throughput bench tok/s: `herald bench throughput`'s point
+for the same model, mode, steps and kv_pad at context = prompt tokens and batch = concurrency
+(all requests admitted at once, synthetic prefill, decode only, no HTTP), measured in the same
+process once the server had stopped; '-' where it was not asked for (`--throughput-point`).
+Records: `serve_bench.jsonl` (one line per level, after a line naming the machine, code and
+command).
+"""
+
+
+def write_readme(out: Path) -> Path:
+    """``out/README.md`` from every record of ``out/serve_bench.jsonl``."""
+    runs = [r for r in group_runs(load_records(out)) if r["levels"]]
+    body = "\n\n".join(run_section(r) for r in runs) or "No level recorded yet."
+    path = out / "README.md"
+    path.write_text(INTRO + "\n" + body + "\n")
+    return path
