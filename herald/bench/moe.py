@@ -1,6 +1,6 @@
 """One LLaDA2.0-mini MoE block on the GPU: the grouped-GEMM path against the fused Triton path,
-per token count, with the expert GEMMs' weight bandwidth; optionally a sweep of the fused GEMMs'
-tile configs.
+per token count, with the expert GEMMs' weight bandwidth, and the routing after the router GEMM
+in PyTorch against the fused router kernel; optionally a sweep of the fused GEMMs' tile configs.
 
 ``python -m herald.bench.moe [--tokens 32,1024,2560,4096] [--sweep] [--out DIR]``
 
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from herald.bench.common import append_jsonl
-from herald.layers.moe import SparseMoE, experts_grouped_mm
+from herald.layers.moe import SparseMoE, experts_grouped_mm, route_tokens
 from herald.layers.moe_triton import DOWN_CONFIG, GATE_UP_CONFIG, TileConfig, experts_fused
+from herald.layers.router_triton import route_fused
 
 
 def _time_ms(fn: Callable[[], object], iters: int, repeats: int) -> float:
@@ -75,7 +76,28 @@ def measure(moe: SparseMoE, tokens: int, iters: int, repeats: int) -> dict[str, 
         moe.impl = name  # type: ignore[assignment]
         rec[f"{name}_block_ms"] = _time_ms(lambda: moe(x), iters, repeats)
     moe.impl = "auto"
+    rec.update(measure_router(moe, x, iters, repeats))
     return rec
+
+
+def measure_router(
+    moe: SparseMoE, x: torch.Tensor, iters: int, repeats: int
+) -> dict[str, float | int]:
+    """The routing after the router GEMM: PyTorch (route_tokens, compiled) against the fused
+    Triton kernel, and whether their choices agree."""
+    logits = moe.gate(x)
+    torch_route = functools.partial(
+        route_tokens, logits, moe.gate.expert_bias, top_k=moe.top_k, n_group=moe.n_group,
+        topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
+    )  # fmt: skip
+    fused_route = functools.partial(route_fused, *torch_route.args, **torch_route.keywords)
+    ref, got = torch_route(), fused_route()
+    return {
+        "router_torch_ms": _time_ms(torch_route, iters, repeats),
+        "router_fused_ms": _time_ms(fused_route, iters, repeats),
+        "router_gemm_ms": _time_ms(lambda: moe.gate(x), iters, repeats),
+        "router_tokens_differ": int((ref[0] != got[0]).any(dim=1).sum().item()),
+    }
 
 
 def sweep(moe: SparseMoE, tokens: int, iters: int, repeats: int) -> list[dict[str, object]]:
@@ -130,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rec['grouped_mm_experts_ms']:.3f} ms ({rec['grouped_mm_experts_tbps']:.2f} TB/s)"
                 f"  fused {rec['fused_experts_ms']:.3f} ms ({rec['fused_experts_tbps']:.2f} TB/s)"
                 f"  block: grouped_mm {rec['grouped_mm_block_ms']:.3f} fused "
-                f"{rec['fused_block_ms']:.3f} ms"
+                f"{rec['fused_block_ms']:.3f} ms  routing: torch {rec['router_torch_ms']:.3f} "
+                f"fused {rec['router_fused_ms']:.3f} ms (gemm {rec['router_gemm_ms']:.3f}, "
+                f"{rec['router_tokens_differ']} tokens differ)"
             )
             if a.sweep:
                 rows = sweep(moe, t, a.iters, a.repeats)

@@ -41,6 +41,7 @@ from torch import nn
 from herald.layers.fusion import cuda_compiled
 from herald.layers.mlp import SwiGLUMLP, swiglu
 from herald.layers.moe_triton import experts_fused, fused_available
+from herald.layers.router_triton import fused_router_available, route_fused
 
 MoEImpl = Literal["auto", "reference", "grouped_mm", "fused"]
 MOE_IMPLS: tuple[str, ...] = ("auto", "reference", "grouped_mm", "fused")
@@ -223,9 +224,12 @@ class SparseMoE(nn.Module):
             )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, H] -> (expert ids [T, K] int64, weights [T, K] float32); see :func:`route_tokens`."""
-        return route_tokens(
-            self.gate(x),
+        """[T, H] -> (expert ids [T, K] int64, weights [T, K] float32); see :func:`route_tokens`
+        (:func:`~herald.layers.router_triton.route_fused` where it applies)."""
+        logits = self.gate(x)
+        fused = fused_router_available(logits, self.num_experts, self.n_group)
+        return (route_fused if fused else route_tokens)(
+            logits,
             self.gate.expert_bias,
             top_k=self.top_k,
             n_group=self.n_group,
