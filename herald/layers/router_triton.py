@@ -2,8 +2,9 @@
 
 :func:`herald.layers.moe.route_tokens` computes it in PyTorch: a sigmoid, the bias, a top-2 per
 group, a top-k over the groups, a mask, a top-k over the experts, a gather and the normalisation;
-on CUDA three ``topk`` launches and several elementwise ones per MoE layer (1.9-2.9 ms of a
-LLaDA2.0-mini forward at 1,024-2,560 tokens on the H200, results/forward/). Here one program
+on CUDA three ``topk`` launches and several elementwise ones per MoE layer (the H200 profile's
+router/top-k category, which also holds the experts' sort, took 1.9-2.9 ms of a LLaDA2.0-mini
+forward at 1,024-2,560 tokens, results/forward/). Here one program
 holds a few tokens' E router logits in registers and does all of it: the choice by K argmax
 passes (so the experts come out in descending biased order, as ``topk`` returns them), the
 weights from the unbiased scores.
