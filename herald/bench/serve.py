@@ -14,10 +14,16 @@ end-to-end latency (p50 / p90 / p99) and its completed / failed / cancelled coun
 is rebuilt from every record there. ``--throughput-point`` adds, per level, ``herald bench
 throughput``'s decode figure for the same configuration (:mod:`herald.bench.serve_point`).
 
-On a CPU, with the embedded model::
+On a CPU, with the embedded model, then HERALD on the tiny preset with the throughput figure
+beside each level::
 
     herald bench serve --device cpu --prompt-tokens 256 --concurrency 1 4 --requests 8 \\
-        --max-tokens 64 --steps 4 --throughput-point --out /tmp/serve-bench
+        --max-tokens 64 --steps 4 --out /tmp/serve-bench
+    herald bench serve --device cpu --model tiny-sdar --mode herald --prompt-tokens 256 \\
+        --concurrency 1 4 --requests 8 --max-tokens 64 --steps 4 --throughput-point \\
+        --out /tmp/serve-bench
+
+On the GPU machine: ``scripts/device/serve_bench.sh`` (LLaDA2.0-mini, dense then HERALD).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ client, and its statistics.
 A level sends its prompts (token ids) as streaming completions, at most ``concurrency`` in
 flight at once, in order; after ``duration_limit_s`` every request still running or not yet sent
 is cancelled (its connection closed, which aborts it in the server) and counted as cancelled.
-Each request records the time to its first chunk with tokens, the times between its chunks (a
-herald stream sends one chunk per committed block) and, when it completes, its end-to-end
+Each request records the time to its first chunk with tokens, the times between its chunks with
+tokens (a herald stream sends one per committed block) and, when it completes, its end-to-end
 latency; its generated tokens are the ``token_ids`` its chunks carry (herald's extension), else
 the usage the server reports.
 """
@@ -54,6 +54,7 @@ class Outcome:
     gaps_s: list[float] = field(default_factory=list)
     latency_s: float | None = None
     tokens: int = 0
+    chunks: int = 0
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
     error: str | None = None
@@ -73,14 +74,18 @@ async def _stream(client: Any, ids: list[int], s: LoadSettings, o: Outcome) -> N
                 if chunk.usage is not None:
                     o.usage_completion_tokens = chunk.usage.completion_tokens
                     o.usage_prompt_tokens = chunk.usage.prompt_tokens
-                n = sum(len(getattr(c, "token_ids", None) or ()) for c in chunk.choices)
-                if n or any(c.text for c in chunk.choices):
+                got = [getattr(c, "token_ids", None) for c in chunk.choices]
+                n = sum(len(x or ()) for x in got)
+                # a chunk of a block carries its tokens; a server without token_ids, its text
+                # (herald's last chunk may carry text held back at the end, and no tokens)
+                if n or (all(x is None for x in got) and any(c.text for c in chunk.choices)):
                     if o.first_chunk_s is None:
                         o.first_chunk_s = now - t0
                     else:
                         o.gaps_s.append(now - last)
                     last = now
                     o.tokens += n
+                    o.chunks += 1
         o.latency_s = time.perf_counter() - t0
         if not o.tokens and o.usage_completion_tokens:
             o.tokens = o.usage_completion_tokens  # a server without the token_ids extension
@@ -162,6 +167,7 @@ def summarize(outcomes: list[Outcome], wall: float, prompt_tokens: int) -> dict[
         "time_between_chunks_s": percentiles([g for o in outcomes for g in o.gaps_s]),
         "latency_s": percentiles([o.latency_s for o in done if o.latency_s is not None]),
         "completion_tokens_per_request": sorted({o.tokens for o in done}),
+        "chunks_per_request": sorted({o.chunks for o in done}),
         "prompt_tokens_reported": sorted(
             {o.usage_prompt_tokens for o in outcomes if o.usage_prompt_tokens is not None}
         ),

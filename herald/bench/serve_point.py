@@ -53,41 +53,64 @@ def throughput_command(
     )
 
 
-def measure_point(
-    net: Any, config: Any, device: torch.device, engine: EngineConfig,
-    variant: str, context: int, batch: int, steps: int,
-) -> dict[str, Any]:  # fmt: skip
-    """The throughput point at ``context`` and ``batch`` on the served model ``net`` (engine
-    settings ``engine``): ``status`` (ok, oom, dram or error, as the throughput benchmark
-    classifies a failure), ``decode_tokens_per_s`` (None unless ok) and ``wall_s``."""
-    from herald.bench import throughput_point as tp
+class ServedPoints:
+    """The throughput points of the served configuration, on the served model ``net`` (engine
+    settings ``engine``) at ``steps`` per block. Offloading modes share one CPU pool, sized for
+    the largest of ``points`` ((context, batch) pairs), as a model's points share one in the
+    throughput benchmark; :meth:`close` frees it."""
 
-    budget = engine.offload.kv_budget if engine.offload is not None else None
-    ps = tp.PointSettings(net, config, device, kv_pad=engine.kv_pad, dense_kv_pad=engine.kv_pad)
-    sweep = Sweep("serve", "served", context, variant, budget, None, steps, (batch,))
-    rec: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    try:
-        if engine.offload is not None:
-            pages = batch * tp.pages_per_request(context, ps.new_tokens, config.block_size)
-            num_dense = min(engine.offload.num_dense_layers, config.num_layers)
-            ps.cpu_pool = tp.new_cpu_pool(config, num_dense, pages)
-        m = tp.measure_point(ps, sweep, batch)
-        rec |= {
-            "status": "ok",
-            "decode_tokens_per_s": m["decode_tokens_per_s"],
-            "forward_median_s": m["forward_median_s"],
-            "timed_blocks": m["timed_blocks"],
-        }
-    except Exception as e:  # noqa: BLE001  (recorded as the throughput benchmark records it)
-        rec |= {"status": tp.classify_failure(e), "decode_tokens_per_s": None,
-                "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
-    finally:
-        if ps.cpu_pool is not None:
-            ps.cpu_pool.close()
-        ps.cpu_pool = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    rec["wall_s"] = time.perf_counter() - t0
-    return rec
+    def __init__(
+        self, net: Any, config: Any, device: torch.device, engine: EngineConfig, variant: str,
+        steps: int, points: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        self.net, self.config, self.device, self.engine = net, config, device, engine
+        self.variant, self.steps, self.points = variant, steps, points
+        self.pool: Any = None
+
+    def _settings(self) -> Any:
+        from herald.bench import throughput_point as tp
+
+        ps = tp.PointSettings(self.net, self.config, self.device, kv_pad=self.engine.kv_pad,
+                              dense_kv_pad=self.engine.kv_pad)  # fmt: skip
+        off = self.engine.offload
+        if off is not None and self.pool is None:
+            b = self.config.block_size
+            pages = max(n * tp.pages_per_request(c, ps.new_tokens, b) for c, n in self.points)
+            num_dense = min(off.num_dense_layers, self.config.num_layers)
+            self.pool = tp.new_cpu_pool(self.config, num_dense, pages)
+        ps.cpu_pool = self.pool
+        return ps
+
+    def measure(self, context: int, batch: int) -> dict[str, Any]:
+        """The point at ``context`` and ``batch``: ``status`` (ok, oom, dram or error, as the
+        throughput benchmark classifies a failure), ``decode_tokens_per_s`` (None unless ok)
+        and ``wall_s``."""
+        from herald.bench import throughput_point as tp
+
+        off = self.engine.offload
+        budget = off.kv_budget if off is not None else None
+        sweep = Sweep("serve", "served", context, self.variant, budget, None, self.steps, (batch,))
+        rec: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        try:
+            m = tp.measure_point(self._settings(), sweep, batch)
+            rec |= {
+                "status": "ok",
+                "decode_tokens_per_s": m["decode_tokens_per_s"],
+                "forward_median_s": m["forward_median_s"],
+                "timed_blocks": m["timed_blocks"],
+            }
+        except Exception as e:  # noqa: BLE001  (recorded as the throughput benchmark records it)
+            rec |= {"status": tp.classify_failure(e), "decode_tokens_per_s": None,
+                    "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+        finally:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        rec["wall_s"] = time.perf_counter() - t0
+        return rec
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool = None

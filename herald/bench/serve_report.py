@@ -1,5 +1,6 @@
 """The records of ``herald bench serve`` (``OUT/serve_bench.jsonl``) and the README built from
-them: one section per run, one table row per load level."""
+them: one section per run, one table row per load level. ``python -m herald.bench.serve_report
+DIR`` rebuilds ``DIR/README.md`` (after records from several machines were appended there)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,20 @@ def write_readme(out: Path) -> Path:
     path = out / "README.md"
     path.write_text(INTRO + "\n" + body + "\n")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m herald.bench.serve_report DIR``: rebuild DIR/README.md from its records."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not (Path(args[0]) / JSONL_NAME).is_file():
+        print(f"usage: python -m herald.bench.serve_report DIR (a folder with {JSONL_NAME})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"wrote {write_readme(Path(args[0]))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

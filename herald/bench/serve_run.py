@@ -19,7 +19,7 @@ import torch
 from herald.bench.common import append_jsonl
 from herald.bench.serve_client import LoadSettings, run_level, server_idle, summarize
 from herald.bench.serve_prompts import Prompt
-from herald.bench.serve_report import JSONL_NAME
+from herald.bench.serve_report import JSONL_NAME, write_readme
 from herald.bench.throughput_records import append_record, log
 from herald.config import EngineConfig, OffloadConfig
 
@@ -188,6 +188,7 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
                    "prompts": {**plan.source, "files": [q.files for q in level]},
                    "throughput_command": _throughput_command(plan, p)}  # fmt: skip
             records.add(rec)
+            write_readme(a.out)  # also when a later level is cut short
             failed += s["failed"]
             log(f"level done: {s['completed']} completed, {s['failed']} failed, "
                 f"{s['cancelled']} cancelled in {wall:.2f} s; "
@@ -198,31 +199,26 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
 
 def run_points(plan: Plan, net: Any, config: Any, head: dict[str, Any], records: Records) -> None:
     """``herald bench throughput``'s point of each level, on the served model."""
-    from herald.bench.serve_point import measure_point, throughput_variant
+    from herald.bench.serve_point import ServedPoints, throughput_variant
 
     a = plan.args
     variant = throughput_variant(plan.mode, plan.offload)
     if variant is None or plan.engine is None:
         log("throughput points: no throughput variant has the served engine's settings")
         return
-    for p in a.prompt_tokens:
-        for c in a.concurrency:
+    pairs = [(p, c) for p in a.prompt_tokens for c in a.concurrency]
+    points = ServedPoints(net, config, plan.device, plan.engine, variant, a.steps, pairs)
+    try:
+        for p, c in pairs:
             log(f"throughput point: {variant}, context {p}, batch {c}, steps {a.steps}")
-            m = measure_point(net, config, plan.device, plan.engine, variant, p, c, a.steps)
-            records.add(
-                {
-                    "kind": "throughput_point",
-                    "model": a.model,
-                    "mode": plan.mode,
-                    "kv_budget": head["kv_budget"],
-                    "dtype": head["dtype"],
-                    "variant": variant,
-                    "prompt_tokens": p,
-                    "concurrency": c,
-                    "steps": a.steps,
-                    "command": _throughput_command(plan, p),
-                    **m,
-                }
-            )
+            m = points.measure(p, c)
+            records.add({"kind": "throughput_point", "model": a.model, "mode": plan.mode,
+                         "kv_budget": head["kv_budget"], "dtype": head["dtype"],
+                         "variant": variant, "prompt_tokens": p, "concurrency": c,
+                         "steps": a.steps, "command": _throughput_command(plan, p),
+                         **m})  # fmt: skip
+            write_readme(a.out)
             tp = m["decode_tokens_per_s"]
             log(f"throughput point done: {m['status']}" + (f", {tp:.1f} tok/s" if tp else ""))
+    finally:
+        points.close()

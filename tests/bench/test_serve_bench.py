@@ -17,6 +17,7 @@ import pytest
 
 from herald.bench import serve
 from herald.bench.serve_prompts import StdlibPrompts
+from herald.bench.serve_report import main as report_main
 from herald.cli import main as cli_main
 from herald.models.loader import bundled_checkpoint, load_config
 from herald.models.tokenizer import load_tokenizer
@@ -50,6 +51,7 @@ def test_two_levels_of_stdlib_prompts(tmp_path: Path, capsys: pytest.CaptureFixt
         assert (lv["completed"], lv["failed"], lv["cancelled"]) == (3, 0, 0)
         assert lv["prompt_tokens_reported"] == [96]  # the server counted exactly 96
         assert lv["completion_tokens_per_request"] == [64] and lv["generated_tokens"] == 192
+        assert lv["chunks_per_request"] == [2]  # one per 32-token block
         assert lv["generated_tokens_per_s"] > 0 and lv["prompt_tokens_per_s"] > 0
         assert all(_ordered(lv[k]) for k in STATS), {k: lv[k] for k in STATS}
         assert lv["server_idle_after"] is True
@@ -77,19 +79,23 @@ def _check_prompts(prompts: dict[str, Any], n: int) -> None:
         assert text.startswith(tok.decode(p.token_ids).rstrip("\ufffd"))
 
 
-def test_the_throughput_point_beside_each_level(tmp_path: Path) -> None:
-    argv = ["--model", "tiny-sdar", "--prompt-tokens", "64", "--concurrency", "2"]
+@pytest.mark.parametrize(("mode", "variant"), [("dense", "dense"), ("herald", "herald-selected")])
+def test_the_throughput_point_beside_each_level(mode: str, variant: str, tmp_path: Path) -> None:
+    argv = ["--model", "tiny-sdar", "--mode", mode, "--prompt-tokens", "64", "--concurrency", "2"]
     argv += ["--requests", "2", *SMALL, "--throughput-point", "--out", str(tmp_path)]
     assert serve.main(argv) == 0
     _, level, point = _records(tmp_path)
-    assert level["kind"] == "level" and level["completed"] == 2
+    assert level["kind"] == "level" and level["completed"] == 2 and level["mode"] == mode
     assert point["kind"] == "throughput_point" and point["run_id"] == level["run_id"]
     assert (point["prompt_tokens"], point["concurrency"], point["steps"]) == (64, 2, 2)
-    assert point["variant"] == "dense" and point["status"] == "ok", point.get("error")
+    assert point["variant"] == variant and point["status"] == "ok", point.get("error")
     assert point["decode_tokens_per_s"] > 0
-    assert "--context 64 --mode dense --batches 2 --steps 2" in point["command"]
-    row = next(r for r in (tmp_path / "README.md").read_text().splitlines() if "| dense |" in r)
+    assert f"--context 64 --mode {variant} " in point["command"]
+    assert "--batches 2 --steps 2" in point["command"]
+    row = next(r for r in (tmp_path / "README.md").read_text().splitlines() if f"| {mode}" in r)
     assert row.endswith(f"| {point['decode_tokens_per_s']:.1f} |")
+    (tmp_path / "README.md").unlink()
+    assert report_main([str(tmp_path)]) == 0 and row in (tmp_path / "README.md").read_text()
 
 
 @pytest.fixture
