@@ -98,6 +98,20 @@ def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+def random_prompts(config: Any, batch: int, length: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` token ids drawn uniformly (seeded) from the vocabulary
+    without its special ids (the mask and every EOS), whatever their positions in it (a model
+    whose EOS is id 0 included)."""
+    special = {config.mask_token_id, *config.eos_token_ids}
+    allowed = torch.tensor([t for t in range(config.vocab_size) if t not in special])
+    if allowed.numel() == 0:
+        raise ValueError("the vocabulary holds no token besides its special ids")
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, allowed.numel(), (batch, length), generator=g)
+    out: list[list[int]] = allowed[picks].tolist()
+    return out
+
+
 def cap_gpu_memory(gb: float | None) -> None:
     """Emulate a smaller GPU: limit this process's CUDA caching allocator to ``gb`` GB (1e9 B)."""
     if gb is None or not torch.cuda.is_available():

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from herald.bench.common import cap_gpu_memory, command_line, machine_info, write_json
+from herald.bench.common import (
+    cap_gpu_memory,
+    command_line,
+    machine_info,
+    random_prompts,
+    write_json,
+)
 from herald.config import DEFAULT_KV_PAD, EngineConfig, SamplingParams
 from herald.engine.dense import DenseEngine
 
@@ -44,9 +50,7 @@ def run_case(
     seed: int,
     kv_pad: int = DEFAULT_KV_PAD,
 ) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    hi = min(config.vocab_size, config.mask_token_id, *config.eos_token_ids)
-    prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
+    prompts = random_prompts(config, batch, context, seed)
     ecfg = EngineConfig(
         max_batch_size=batch, max_seq_len=context + new_tokens, check_finite=True, kv_pad=kv_pad
     )

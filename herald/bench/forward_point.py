@@ -37,6 +37,7 @@ import torch
 from herald.attention.sdpa import padded_kv_len
 from herald.bench import forward_floor as ff
 from herald.bench import throughput_point as tp
+from herald.bench.common import random_prompts
 from herald.bench.forward_profile import expert_tbps, profile_forward
 from herald.bench.forward_report import ctx_label
 from herald.bench.throughput_plan import VARIANTS, Sweep
@@ -248,9 +249,7 @@ def open_engine(
         params = SamplingParams(
             max_new_tokens=ps.new_tokens, num_denoise_steps=st.steps, ignore_eos=True
         )
-        g = torch.Generator().manual_seed(batch)
-        hi = min(cfg.vocab_size, cfg.mask_token_id, *cfg.eos_token_ids)
-        prompts = torch.randint(0, hi, (batch, context), generator=g).tolist()
+        prompts = random_prompts(cfg, batch, context, seed=batch)
         reqs = [engine.add_request(p, params) for p in prompts]
         engine.step()
         if len(engine.batch) != batch:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from herald.bench.common import command_line, machine_info, write_json
+from herald.bench.common import command_line, machine_info, random_prompts, write_json
 from herald.config import EngineConfig, OffloadConfig, SamplingParams
 from herald.offload.engine import OffloadEngine
 
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_s = time.perf_counter() - t0
     print(f"engine set up in {setup_s:.1f} s: {eng.cpu_pool.describe()}", flush=True)
     engine_gpu = mem() - base if cuda else eng.usage().gpu_kv_bytes
-    g = torch.Generator().manual_seed(0)
-    hi = min(config.mask_token_id, *config.eos_token_ids)
-    prompts = torch.randint(0, hi, (args.batch, args.context), generator=g).tolist()
+    prompts = random_prompts(config, args.batch, args.context, seed=0)
     params = SamplingParams(
         max_new_tokens=args.new_tokens, num_denoise_steps=args.steps, ignore_eos=True
     )

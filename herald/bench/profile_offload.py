@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from herald.bench.common import random_prompts
 from herald.config import DEFAULT_KV_PAD, OFFLOAD_MODES, EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.hooks import EngineHooks, SyntheticPrefill
 from herald.offload.engine import OffloadEngine
@@ -36,14 +37,14 @@ def _run(args: argparse.Namespace, model, config, threads: int | None, out: Path
     )  # fmt: skip
     eng = OffloadEngine(model, config, ecfg, EngineHooks(synthetic_prefill=SyntheticPrefill()))
     print(f"[threads={eng.selection_threads}] engine {time.perf_counter() - t0:.1f} s", flush=True)
-    hi = min(config.mask_token_id, *config.eos_token_ids)
+    (prompt,) = random_prompts(config, 1, args.context, seed=0)
     params = SamplingParams(
         max_new_tokens=args.blocks * config.block_size,
         num_denoise_steps=args.steps,
         ignore_eos=True,
     )
     for _ in range(args.batch):
-        eng.add_request([hi - 1] * args.context, params)
+        eng.add_request(prompt, params)
     steps: list[dict] = []
     prof_block = args.blocks - 2
     prof = None

@@ -43,6 +43,7 @@ import torch
 
 from herald.attention.sdpa import padded_kv_len
 from herald.bench.ceilings import KVGeometry, budget_rows
+from herald.bench.common import random_prompts
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.config import DEFAULT_KV_PAD, EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.dense import DenseEngine
@@ -409,9 +410,7 @@ def measure_point(ps: PointSettings, sweep: Sweep, batch: int) -> dict[str, Any]
         params = SamplingParams(
             max_new_tokens=ps.new_tokens, num_denoise_steps=sweep.steps, ignore_eos=True
         )
-        g = torch.Generator().manual_seed(batch)
-        hi = min(ps.config.vocab_size, ps.config.mask_token_id, *ps.config.eos_token_ids)
-        prompts = torch.randint(0, hi, (batch, sweep.context), generator=g).tolist()
+        prompts = random_prompts(ps.config, batch, sweep.context, seed=batch)
         reqs = [engine.add_request(p, params) for p in prompts]
         if var.rehearses:
             # see the module docstring: the timed pass must not pay one-time costs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from herald.bench import throughput, throughput_point
 
 FAST = ["--device", "cpu", "--steps", "3", "--warmup-blocks", "1", "--timed-blocks", "1",
@@ -55,3 +57,20 @@ def test_dense_and_lookahead_points_time_a_second_pass_over_the_same_shapes(tmp_
     passes.clear()
     assert throughput.main(argv) == 0
     assert len(passes) == 2  # only HERALD measured again, with its rehearsal
+
+
+def test_random_prompts_avoid_special_ids_wherever_they_are() -> None:
+    """The benchmarks' random prompts: seeded, uniform over the ids that are not the mask or an
+    EOS, also for a model whose EOS is id 0 (the embedded code-sdar; a draw below the smallest
+    special id found no id at all there)."""
+    from types import SimpleNamespace
+
+    from herald.bench.common import random_prompts
+
+    cfg = SimpleNamespace(vocab_size=10, mask_token_id=9, eos_token_ids=[0, 4])
+    a = random_prompts(cfg, 3, 200, seed=1)
+    assert a == random_prompts(cfg, 3, 200, seed=1) != random_prompts(cfg, 3, 200, seed=2)
+    assert len(a) == 3 and all(len(p) == 200 for p in a)
+    assert {t for p in a for t in p} == {1, 2, 3, 5, 6, 7, 8}
+    with pytest.raises(ValueError, match="no token besides"):
+        random_prompts(SimpleNamespace(vocab_size=2, mask_token_id=1, eos_token_ids=[0]), 1, 1, 0)
