@@ -4,7 +4,9 @@
   text) with each option's default shown;
 - :func:`add_list`: an option that takes several values, given with spaces, commas or both;
 - :func:`deprecated_alias`: an old option name kept, hidden, for one release; using it prints a
-  one-line warning.
+  one-line warning;
+- :func:`add_model_source_args` / :func:`parse_dtype`: ``--model``, ``--device``, ``--dtype`` as
+  every command that loads a model takes them (the benchmarks too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`<]+?)(?:\s*<[^>]+>)?`")
 
@@ -148,3 +152,42 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> Non
         help=argparse.SUPPRESS,
         **kwargs,
     )
+
+
+DEFAULT_MODEL = "code-sdar"
+"""The embedded default: the small SDAR code model trained with ``herald train`` that ships in
+``checkpoints/code-sdar/`` (:data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""
+
+
+DTYPE_HELP = (
+    "bf16 | fp16 | fp32 (default: bf16 with an offloading --mode, which runs bf16 only, or on a "
+    "GPU; fp32 for --mode dense on the CPU)"
+)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return {
+            "bf16": torch.bfloat16,
+            "bfloat16": torch.bfloat16,
+            "fp16": torch.float16,
+            "float16": torch.float16,
+            "fp32": torch.float32,
+            "float32": torch.float32,
+        }[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {name!r}: use bf16, fp16 or fp32"
+        ) from None
+
+
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device``, ``--dtype``."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory (HF format), bundled checkpoint (code-sdar) or preset name "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--dtype", type=parse_dtype, default=None, help=DTYPE_HELP)

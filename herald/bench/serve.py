@@ -50,7 +50,7 @@ from herald.bench.serve_run import (
     run_points,
 )
 from herald.bench.throughput_records import log
-from herald.cliargs import add_list
+from herald.cliargs import add_list, add_model_source_args
 from herald.config import OffloadConfig, resolve_device
 from herald.engines import MODES
 
@@ -58,25 +58,11 @@ _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
 _SERVER_FLAGS = ("mode", "device", "dtype", *_POOL_FLAGS, "max_batch_size", "max_seq_len",
                  "max_prefill_tokens")  # fmt: skip
 """Flags of the server this benchmark starts (refused with ``--url``)."""
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _add_server_arguments(p: argparse.ArgumentParser) -> None:
     """The server's flags, as ``herald serve``'s."""
-    p.add_argument(
-        "--model",
-        default="code-sdar",
-        help="checkpoint directory, bundled "
-        "checkpoint (code-sdar) or preset; with --url, the tokenizer's model",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="default: bf16 on a GPU "
-        "or with an offloading --mode (bf16 only), fp32 for dense on the CPU",
-    )
+    add_model_source_args(p)  # --model: with --url, the model whose tokenizer builds the prompts
     p.add_argument(
         "--url",
         default=None,
@@ -241,7 +227,7 @@ def _offload_config(args: argparse.Namespace, mode: str) -> OffloadConfig | None
 def _dtype(args: argparse.Namespace, mode: str, device: torch.device) -> torch.dtype:
     if args.dtype is None:
         return torch.bfloat16 if device.type == "cuda" or mode != "dense" else torch.float32
-    dtype = DTYPES[args.dtype]
+    dtype: torch.dtype = args.dtype
     if mode != "dense" and dtype != torch.bfloat16:
         raise ValueError(f"--mode {mode} runs bf16 models: give --dtype bf16 or leave it out")
     return dtype

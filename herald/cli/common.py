@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from herald.cliargs import DEFAULT_MODEL, DTYPE_HELP, add_model_source_args, parse_dtype
 from herald.config import (
     DEFAULT_KV_PAD,
     MAX_KV_PAD,
@@ -19,45 +20,9 @@ from herald.config import (
 )
 from herald.config import OFFLOAD_MODES as OFFLOAD_MODE_SPECS
 
-DEFAULT_MODEL = "code-sdar"
-"""The embedded default: the small SDAR code model trained with ``herald train`` that ships in
-``checkpoints/code-sdar/`` (:data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""
-
+__all__ = ["DEFAULT_MODEL", "DTYPE_HELP", "add_model_source_args", "parse_dtype"]  # re-exported
 
 OFFLOAD_MODES = tuple(OFFLOAD_MODE_SPECS)
-
-DTYPE_HELP = (
-    "bf16 | fp16 | fp32 (default: bf16 with an offloading --mode, which runs bf16 only, or on a "
-    "GPU; fp32 for --mode dense on the CPU)"
-)
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return {
-            "bf16": torch.bfloat16,
-            "bfloat16": torch.bfloat16,
-            "fp16": torch.float16,
-            "float16": torch.float16,
-            "fp32": torch.float32,
-            "float32": torch.float32,
-        }[name]
-    except KeyError:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype {name!r}: use bf16, fp16 or fp32"
-        ) from None
-
-
-def add_model_source_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--device``, ``--dtype``."""
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="checkpoint directory (HF format), bundled checkpoint (code-sdar) or preset name "
-        "(default: %(default)s)",
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", type=parse_dtype, default=None, help=DTYPE_HELP)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
