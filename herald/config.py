@@ -52,7 +52,8 @@ class SamplingParams:
     ceil(masks_left / steps_left) most-confident positions per step. None = threshold mode."""
     seed: int | None = None
     """Seed for sampling (temperature > 0), in [-2**63, 2**64) (torch.Generator's range); each
-    request owns its generator, so its output does not depend on what else is in the batch."""
+    request owns its generator, so its output does not depend on what else is in the batch.
+    None: a fresh random seed per request (equal unseeded requests draw different samples)."""
     ignore_eos: bool = False
     """Keep decoding past EOS until max_new_tokens (throughput runs); ``stop_token_ids`` still
     stop."""

@@ -25,6 +25,7 @@ Engines differ only in how the forward attends (dense cache, sparse pools, ...).
 from __future__ import annotations
 
 import itertools
+import random
 
 import torch
 
@@ -36,6 +37,10 @@ from herald.models.base import BlockDiffusionLM
 
 TopAlternatives = list[list[tuple[int, float]]]
 """Per output position, the most likely (token id, logprob) pairs, most likely first."""
+
+
+_FRESH = random.SystemRandom()
+"""Seeds of unseeded sampled requests."""
 
 
 class DecodeBatch:
@@ -100,7 +105,10 @@ class DecodeBatch:
         req.steps_in_block = 0
         if not req.params.greedy and req.generator is None:
             req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(req.params.seed if req.params.seed is not None else 0)
+            seed = req.params.seed
+            # NOTE: an unseeded request gets a fresh seed from the OS: equal unseeded requests
+            # must not all draw the same sample (OpenAI and vLLM behave so).
+            req.generator.manual_seed(seed if seed is not None else _FRESH.getrandbits(63))
         return len(self.requests) - 1
 
     def remove(self, rows: list[int]) -> list[tuple[int, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -331,3 +332,19 @@ def test_apply_makes_one_host_sync_on_cuda(monkeypatch):
     got = [r.output_ids for r in eng.generate(prompts, params)]
     assert got == want
     assert max(waits) == 1 and 0 in waits
+
+
+def test_an_unseeded_sampled_request_gets_a_fresh_seed(tiny, monkeypatch):
+    """Equal unseeded requests must not all draw one sample: each takes a fresh seed from the OS
+    source, and then decodes exactly as the request seeded with it would."""
+    model, config = tiny
+    prompt = _prompts([40])[0]
+    params = SamplingParams(max_new_tokens=32, temperature=1.0)
+    fresh = iter([11, 12])
+    monkeypatch.setattr(db._FRESH, "getrandbits", lambda bits: next(fresh))
+    unseeded = [_engine(model, config).generate([prompt], params)[0].output_ids for _ in range(2)]
+    seeded = [
+        _engine(model, config).generate([prompt], dataclasses.replace(params, seed=s))[0].output_ids
+        for s in (11, 12)
+    ]
+    assert unseeded == seeded and seeded[0] != seeded[1]
