@@ -247,13 +247,17 @@ def _apply(state: ServerState, c: Choice, kind: str, val: Any) -> Event | None:
         return None
     if kind == "done":
         c.finish = str(val)
-        return Event(c, c.reported, [], c.stream.finish(), [], [], c.finish)
+        delta = c.stream.finish()
+        start, end = c.reported, c.stream.num_kept  # the ids held back with the text
+        c.reported = end
+        ids = c.stream.ids[start:end]
+        return Event(c, start, ids, delta, c.logprobs[start:end], c.tops[start:end], c.finish)
     delta = c.stream.feed(val)
     if c._pending is not None:
         c.logprobs.extend(c._pending[0])
         c.tops.extend(c._pending[1])
         c._pending = None
-    start, end = c.reported, c.stream.num_kept
+    start, end = c.reported, c.stream.num_ready
     c.reported = end
     if c.stream.stopped:
         c.finish = "stop"

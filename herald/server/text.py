@@ -9,7 +9,8 @@ tokens a response returns and counts are then the *emitted* tokens: the shortest
 generated tokens whose text holds the returned text. A token whose text the cut splits is
 counted; the tokens after it (the rest of the block the engine committed at once) are not. With
 ``min_tokens``, a stop string counts only where it starts at or after the end of the first
-``min_tokens`` tokens' text.
+``min_tokens`` tokens' text. A stream's ids wait with their held-back text (:attr:`TextStream.
+num_ready`), so the ids and logprobs streamed add up to the non-streamed ones.
 """
 
 from __future__ import annotations
@@ -92,6 +93,24 @@ class TextStream:
     @property
     def kept_ids(self) -> list[int]:
         return self.ids[: self.num_kept]
+
+    @property
+    def num_ready(self) -> int:
+        """The ids a stream may send now: every id fed when all their text went out (and the
+        emitted tokens once a stop string cut); while text is held back (the start of a stop
+        string, an incomplete character), only the ids whose whole text went out, so that ids,
+        their logprobs and the text stop together when the held text turns out to be a stop."""
+        if self.stopped or self.emitted >= len(self._text):
+            return self.num_kept
+        sent = self._text[: self.emitted]
+        lo, hi = 0, len(self.ids)  # the largest n whose text is a prefix of what went out
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sent.startswith(self.decode(self.ids[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _take(self, end: int) -> str:
         out = self._text[self.emitted : end]

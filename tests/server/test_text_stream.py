@@ -49,6 +49,27 @@ def test_stop_string_keeps_the_tokens_whose_text_is_emitted(bpe: Tokenizer) -> N
     assert _feed(plain, ids, 3) == text and plain.num_kept == len(ids)
 
 
+def test_ids_wait_with_their_held_back_text(bpe: Tokenizer) -> None:
+    """Block 1 ends with text that may start a stop string: it is held back, and so are the
+    ids whose text it is (a stream sends ``ids[:num_ready]``). When block 2 completes the stop
+    string, the ids sent never exceed the emitted tokens; when it does not, all go out."""
+    text = "def hello_world(x):\n    return x + 1\n"
+    ids = bpe.encode(text)
+    split = next(k for k in range(1, len(ids)) if bpe.decode(ids[:k]).endswith("hello"))
+    stop = "hello_world"  # starts in block 1 ("...hello"), ends in block 2
+    s = TextStream(bpe, [stop])
+    out = s.feed(ids[:split])
+    assert out == "def " and s.num_ready < split
+    assert bpe.decode(ids[: s.num_ready]) == "def"  # ids whose whole text went out (not " he")
+    sent = s.num_ready
+    assert s.feed(ids[split:]) == "" and s.stopped
+    assert sent <= s.num_ready == s.num_kept
+    assert bpe.decode(s.kept_ids).startswith("def ")
+    other = TextStream(bpe, ["hello_there"])  # held back too, but it is no stop
+    assert other.feed(ids[:split]) == "def " and other.num_ready < split
+    assert other.feed(ids[split:]) == text[len("def ") :] and other.num_ready == len(ids)
+
+
 def test_include_stop_and_the_first_of_several(bpe: Tokenizer) -> None:
     ids = bpe.encode("alpha beta gamma beta")
     s = TextStream(bpe, ["gamma", "beta"], include_stop=True)
