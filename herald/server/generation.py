@@ -132,7 +132,7 @@ def refusal(state: ServerState, body: _Common) -> JSONResponse | None:
 
 async def tokenize(state: ServerState, prompt: str) -> list[int] | JSONResponse:
     """``prompt``'s ids (off the event loop: a long prompt must not stall other requests), or
-    the 400 for a prompt too long to tokenize."""
+    the 400 for a prompt too long to tokenize or not valid Unicode."""
     ctx = state.max_context
     if len(prompt) > MAX_CHARS_PER_TOKEN * ctx:
         # NOTE: checked before tokenizing: a many-megabyte prompt would hold a worker thread
@@ -140,6 +140,13 @@ async def tokenize(state: ServerState, prompt: str) -> list[int] | JSONResponse:
         return error_response(
             400, f"the prompt is {len(prompt)} characters, far more than the server's max "
             f"context of {ctx} tokens", param="prompt", code="context_length_exceeded",
+        )  # fmt: skip
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800"): no text to tokenize
+        return error_response(
+            400, f"the text is not valid Unicode: {prompt[e.start]!r} at character {e.start} "
+            "is a lone surrogate", param="prompt", code="invalid_unicode",
         )  # fmt: skip
     ids: list[int] = await run_in_threadpool(state.tokenizer.encode, prompt)
     return ids

@@ -401,3 +401,16 @@ def test_too_many_prompts_and_the_key_on_tokenizer_routes(
             ok = c.post(route, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
             assert ok.status_code == 200, ok.text
         assert c.get("/version").status_code == 200  # open, as /health
+
+
+def test_a_lone_surrogate_is_a_400_not_a_500(client: httpx.Client) -> None:
+    """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer can encode."""
+    for route, body in [
+        ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}),
+        ("/tokenize", {"prompt": "\ud800"}),
+    ]:
+        raw = json.dumps(body)  # ASCII, with the surrogate escaped as JSON allows
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (route, r.text)
+        assert r.json()["error"]["code"] == "invalid_unicode", route
