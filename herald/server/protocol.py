@@ -85,6 +85,12 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" in data:
+            # the two names of one field: equal values are one request, different ones a 400
+            if data["max_tokens"] != data["max_completion_tokens"]:
+                raise refuse("max_completion_tokens", "max_tokens and max_completion_tokens "
+                             "name one limit and differ here: give one of them")  # fmt: skip
+            data = {k: v for k, v in data.items() if k != "max_tokens"}
         return fields.check(data, cls.IGNORED, cls.NEUTRAL)
 
     @model_validator(mode="after")

@@ -414,3 +414,13 @@ def test_a_lone_surrogate_is_a_400_not_a_500(client: httpx.Client) -> None:
         r = client.post(route, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, (route, r.text)
         assert r.json()["error"]["code"] == "invalid_unicode", route
+
+
+def test_max_tokens_and_max_completion_tokens_together(client: httpx.Client) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    same = {"messages": msgs, "max_tokens": 4, "max_completion_tokens": 4, "steps": 2}
+    r = client.post("/v1/chat/completions", json=same)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+    r = client.post("/v1/chat/completions", json={**same, "max_completion_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert "differ" in r.json()["error"]["message"]
