@@ -58,7 +58,13 @@ def build_app(
     engine.validate()
     limits.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
-    engine = engine.replace(max_seq_len=min(engine.max_seq_len, config.max_position_embeddings))
+    if engine.max_seq_len > config.max_position_embeddings:
+        log.warning(
+            "--max-seq-len %d is more than the model's context (max_position_embeddings %d): "
+            "serving at most %d tokens per request",
+            engine.max_seq_len, config.max_position_embeddings, config.max_position_embeddings,
+        )  # fmt: skip
+        engine = engine.replace(max_seq_len=config.max_position_embeddings)
     eng = build_engine(net, config, engine)
     log.info("%s", eng.describe())
     usage = eng.usage()
@@ -113,7 +119,8 @@ def banner(app: FastAPI, url: str) -> str:
     waiting = eng.scheduler.max_waiting
     return (
         f"herald serve ready on {url}: model {state.model_name}, mode {mode}, device "
-        f"{eng.device}, max batch size {eng.max_batch_size}, max seq len {eng.max_seq_len}, "
+        f"{eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, max batch size "
+        f"{eng.max_batch_size}, max seq len {eng.max_seq_len}, "
         f"max waiting {'unbounded' if waiting is None else waiting}"
         + (", API key required on /v1" if state.api_key else "")
     )

@@ -102,7 +102,13 @@ def test_serve_prints_a_banner_when_ready_and_serves():
             if line.startswith("herald serve ready on "):
                 break
         url = line.removeprefix("herald serve ready on ").split(": ", 1)[0]
-        for part in ("model tiny-sdar", "mode dense", "max batch size 2", "max seq len 512"):
+        for part in (
+            "model tiny-sdar",
+            "mode dense",
+            "dtype float32",
+            "max batch size 2",
+            "max seq len 512",
+        ):
             assert part in line, line
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
