@@ -284,8 +284,8 @@ class EngineConfig:
     least one block); a longer prompt is prefilled in chunks over several boundaries while the
     running requests keep decoding. None: every admitted prompt is prefilled whole."""
     max_waiting: int | None = None
-    """Requests waiting beyond the free slots at most; more are refused
-    (:class:`~herald.engine.scheduler.QueueFullError`, HTTP 503). None: unbounded."""
+    """Requests waiting beyond the free slots at most; more are refused (a server answers
+    HTTP 503 with Retry-After). None: unbounded."""
     kv_pad: int = DEFAULT_KV_PAD
     """Round attention key lengths up to a multiple of this, masked per row (0 = off): outputs
     do not depend on which requests share the batch, and cuDNN plans once per this many keys."""

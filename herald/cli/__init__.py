@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
         # torch's C++ errors append their native stack ("Exception raised from ..."): one line
         msg = msg.split("\nException raised from ", 1)[0]
-        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        # a bad value or name is the user's: its message says what; other errors keep their kind
+        kind = "" if isinstance(e, (ValueError, KeyError)) else f"{type(e).__name__}: "
+        print(f"error: {kind}{msg}", file=sys.stderr)
         return 2
     except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint
         if getattr(args, "debug", False):
