@@ -5,9 +5,10 @@ Two sources:
 * a checkpoint directory with ``tokenizer.json`` (the real SDAR / LLaDA2 tokenizers,
   docs/MODELS.md §3, §5), plus ``tokenizer_config.json`` when present (its ``mask_token``
   spelling);
-* otherwise a byte-level fallback: ids 0..255 are the bytes, the model's special tokens sit at the
-  config's ids (mask, eos, pad, and the preset's ``herald_special_tokens``), and every other id
-  below ``vocab_size`` decodes to a visible ``<|id_N|>`` placeholder. This is what the tiny presets
+* for a preset without a checkpoint (random weights), a byte-level tokenizer: ids 0..255 are
+  the bytes, the model's special tokens sit at the config's ids (mask, eos, pad, and the
+  preset's ``herald_special_tokens``), and every other id below ``vocab_size`` decodes to a
+  visible ``<|id_N|>`` placeholder. This is what the tiny presets
   use, and it also covers the full-size vocabularies for random-weight runs.
 
 The mask id is the model's, from :class:`herald.models.config.ModelConfig`, never the tokenizer's
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -193,21 +193,23 @@ def byte_level_tokenizer(config: ModelConfig) -> Tokenizer:
 
 
 def load_tokenizer(path: str | Path | None, config: ModelConfig) -> Tokenizer:
-    """The tokenizer of checkpoint directory ``path``, or the byte-level fallback.
+    """The tokenizer of checkpoint directory ``path`` (``path`` None: a preset's random model, the
+    byte-level fallback).
 
-    Uses ``path/tokenizer.json`` when it exists (and ``tokenizer_config.json``'s ``mask_token`` as
-    an extra spelling of the mask); otherwise (``path`` None or without tokenizer files) returns
-    :func:`byte_level_tokenizer`. Special ids come from ``config``.
+    Uses ``path/tokenizer.json`` (and ``tokenizer_config.json``'s ``mask_token`` as an extra
+    spelling of the mask); FileNotFoundError when the directory has none. Special ids come from
+    ``config``.
     """
-    tok_file = Path(path) / "tokenizer.json" if path is not None else None
-    if tok_file is None or not tok_file.is_file():
-        if path is not None:
-            warnings.warn(
-                f"{path} has no tokenizer.json: using the byte-level fallback tokenizer, which "
-                "is only right for herald's own random checkpoints",
-                stacklevel=2,
-            )
+    if path is None:
         return byte_level_tokenizer(config)
+    tok_file = Path(path) / "tokenizer.json"
+    if not tok_file.is_file():
+        # NOTE: refused, not replaced by the byte-level tokenizer: a real checkpoint would then
+        # load and serve with a tokenizer that is not its own (herald init-random writes one).
+        raise FileNotFoundError(
+            f"{path} has no tokenizer.json: a checkpoint directory needs the tokenizer it was "
+            "trained with (HF format)"
+        )
     try:
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse

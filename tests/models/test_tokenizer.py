@@ -112,3 +112,15 @@ def test_non_special_added_mask_token_is_still_split() -> None:
     tok = Tokenizer(backend, mask_token_id=mask_id, eos_token_ids=())
     ids = tok.encode("hello [MASK] world")
     assert mask_id not in ids and len(ids) > 3
+
+
+def test_a_checkpoint_directory_without_tokenizer_json_is_refused(tmp_path) -> None:
+    """Not replaced by the byte-level tokenizer: a real checkpoint would then serve with a
+    tokenizer that is not its own."""
+    from herald.models.loader import load_config, load_model, write_random_checkpoint
+
+    ckpt = write_random_checkpoint("tiny-sdar", tmp_path / "ck", seed=0)
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        load_model(str(ckpt), "cpu")
+    assert load_config("tiny-sdar").vocab_size > 0  # presets still load without a directory
