@@ -213,6 +213,10 @@ class ContentPart(BaseModel):
     text: str
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles OpenAI's chat API defines; a model's chat template may still refuse some (tool)."""
+
+
 class ChatMessage(BaseModel):
     """One message: ``content`` is text, a list of text parts, or null (an assistant's)."""
 
@@ -226,6 +230,13 @@ class ChatMessage(BaseModel):
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
         return fields.check(data, fields.IGNORED_MESSAGE, fields.NEUTRAL_MESSAGE)
+
+    @field_validator("role")
+    @classmethod
+    def _a_chat_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {v!r}: one of {', '.join(CHAT_ROLES)}")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

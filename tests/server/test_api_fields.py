@@ -424,3 +424,9 @@ def test_max_tokens_and_max_completion_tokens_together(client: httpx.Client) -> 
     r = client.post("/v1/chat/completions", json={**same, "max_completion_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
     assert "differ" in r.json()["error"]["message"]
+
+
+def test_an_unknown_chat_role_is_refused(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "bogus", "content": "x"}]})
+    assert r.status_code == 400 and "unknown role 'bogus'" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"].startswith("messages")
