@@ -181,7 +181,8 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
     Tensors are read straight onto the model's device and cast to the target's dtype.
 
     Raises:
-        FileNotFoundError / CheckpointError: see :func:`checkpoint_tensors`, :func:`check_tensors`.
+        FileNotFoundError / CheckpointError: see :func:`checkpoint_tensors`, :func:`check_tensors`;
+        CheckpointError also for a tensor holding NaN or infinite values (a corrupted file).
     """
     specs = model.weight_specs(model.config)
     found = checkpoint_tensors(ckpt_dir)
@@ -224,6 +225,10 @@ def load_weights_(model: DecoderLM, ckpt_dir: str | Path) -> None:
                         f"tensor{hint}"
                     )
                 target.copy_(t)
+                if not bool(torch.isfinite(target).all()):
+                    raise CheckpointError(
+                        f"{f}: {spec.name} holds NaN or infinite values (a corrupted file?)"
+                    )
 
 
 def bundled_checkpoint(name: str | Path) -> Path | None:

@@ -230,3 +230,23 @@ def test_a_corrupted_tokenizer_file_is_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"version": ')
     with pytest.raises(ValueError, match="tokenizer.json is not a readable tokenizer file"):
         load_model(tmp_path, "cpu", torch.float32)
+
+
+def test_a_tensor_of_nan_is_refused_naming_file_and_tensor(tmp_path) -> None:
+    """Bytes overwritten inside a shard's data (its header intact) load as NaN weights, which
+    decode to nothing without a word: refused at load instead."""
+    import json as _json
+
+    from herald.models.loader import CheckpointError, load_model, write_random_checkpoint
+
+    ckpt = write_random_checkpoint("tiny-sdar", tmp_path / "ck", seed=0)
+    shard = next(ckpt.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    meta = _json.loads(raw[8 : 8 + header])
+    name = next(k for k in meta if k != "__metadata__" and meta[k]["dtype"] in ("F32", "BF16"))
+    lo, hi = meta[name]["data_offsets"]
+    raw[8 + header + lo : 8 + header + hi] = b"\xff" * (hi - lo)  # NaN in F32 and BF16
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"{name} holds NaN"):
+        load_model(str(ckpt), "cpu")
