@@ -84,13 +84,18 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         f"{kv_budget_defaults()})",
     )
     s.add_argument(
-        "--cpu-kv-gb", type=float, default=None, help="offloading modes: CPU KV pool size in GiB"
+        "--cpu-kv-gb",
+        type=float,
+        default=None,
+        help="offloading modes: CPU KV pool size in GiB (default: what --max-batch-size "
+        "requests of --max-seq-len tokens need)",
     )
     s.add_argument(
         "--cpu-kv-tokens",
         type=int,
         default=None,
-        help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb)",
+        help="offloading modes: CPU KV pool size in tokens, instead of --cpu-kv-gb (default: "
+        "as --cpu-kv-gb's)",
     )
     s.add_argument(
         "--max-prefill-tokens",
