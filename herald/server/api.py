@@ -60,6 +60,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in kind.lower():
+            # FastAPI reads a body of another type as no JSON at all: say what is missing
+            got = f"Content-Type {kind!r}" if kind else "no Content-Type"
+            msg = f"the request body must be JSON with Content-Type: application/json ({got})"
+            return error_response(400, msg, code="invalid_content_type")
         msg, param = validation_message(list(exc.errors()))
         return error_response(400, msg, param=param)
 
@@ -109,11 +115,13 @@ def _add_info_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
         state.metrics.set_pools(state.engine_loop.engine.usage())
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    created = int(time.time())  # when the model was loaded and its routes built
+
     def model_card(name: str) -> dict[str, Any]:
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": created,
             "owned_by": "herald",
             "root": state.model_name,
             "max_model_len": state.max_context,

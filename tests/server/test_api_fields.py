@@ -430,3 +430,13 @@ def test_an_unknown_chat_role_is_refused(client: httpx.Client) -> None:
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "bogus", "content": "x"}]})
     assert r.status_code == 400 and "unknown role 'bogus'" in r.json()["error"]["message"]
     assert r.json()["error"]["param"].startswith("messages")
+
+
+def test_a_body_sent_as_another_type_says_it_must_be_json(client: httpx.Client) -> None:
+    form = {"content-type": "application/x-www-form-urlencoded"}  # curl -d's default
+    r = client.post("/tokenize", content='{"prompt": "x"}', headers=form)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
+    assert "application/json" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b"")  # no body, no type
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
+    assert client.get("/v1/models").json()["data"][0]["created"] > 1_700_000_000
