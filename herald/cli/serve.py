@@ -113,6 +113,7 @@ _FRONT_FLAGS = {
     "header_timeout_s": "--header-timeout-s",
     "body_timeout_s": "--body-timeout-s",
     "keep_alive_timeout_s": "--keep-alive-timeout-s",
+    "shutdown_timeout_s": "--shutdown-timeout-s",
 }
 """:class:`FrontLimits` field -> ``herald serve`` flag (besides ``--max-body-mb``)."""
 

@@ -30,13 +30,18 @@ class FrontLimits:
     a 408 and the connection is closed."""
     keep_alive_timeout_s: float = 5.0
     """Seconds an idle kept-alive connection stays open between requests."""
+    shutdown_timeout_s: float = 30.0
+    """Seconds a shutdown (SIGINT, SIGTERM) waits for the requests in flight to finish; then
+    their connections are closed and their requests aborted."""
     max_body_bytes: int = 16 * 1024**2
     """Largest request body accepted (413 above it), checked from Content-Length before the body
     is read, and counted while a chunked body is read."""
 
     def validate(self) -> None:
         """ValueError naming the field that is not a finite positive number."""
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in (
+            "header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "shutdown_timeout_s"
+        ):  # fmt: skip
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")

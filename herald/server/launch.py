@@ -150,6 +150,7 @@ def make_server(
         http=front.guarded_h11(limits.header_timeout_s),
         # typed int by uvicorn, used as call_later's delay: fractions of a second work
         timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,  # type: ignore[arg-type]
         log_level=log_level,
         lifespan="on",
     )

@@ -156,3 +156,42 @@ def test_requests_within_the_limits_are_served(front_server: LiveServer) -> None
         assert c.get("/health").status_code == 200
     assert httpx.get(f"{front_server.url}/health", timeout=TIMEOUT).status_code == 200
     assert httpx.get(f"{front_server.url}/v1/models", timeout=TIMEOUT).status_code == 401
+
+
+def test_shutdown_closes_requests_still_running_after_its_timeout() -> None:
+    """A shutdown waits ``shutdown_timeout_s`` for the requests in flight, then closes them: a
+    request the engine holds (at a gate, so however slow the machine) must not hold it."""
+    import threading
+
+    from engine_gate import engine_gate
+
+    srv = start_server(limits=FrontLimits(shutdown_timeout_s=0.5), max_batch_size=2)
+    engine = srv.state.engine_loop.engine
+    ended = threading.Event()
+    outcome: dict[str, str] = {}
+
+    def client() -> None:
+        body = {"prompt": "held", "max_tokens": 64, "stream": True}
+        try:
+            with (
+                httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c,
+                c.stream("POST", "/v1/completions", json=body) as r,
+            ):
+                for _ in r.iter_lines():
+                    pass
+            outcome["end"] = "complete"
+        except httpx.HTTPError as e:
+            outcome["end"] = type(e).__name__
+        ended.set()
+
+    try:
+        with engine_gate(engine) as gate:
+            gate.hold_after(lambda: engine.num_running > 0)
+            threading.Thread(target=client, daemon=True).start()
+            assert gate.held.wait(60), "the request never reached the engine"
+            srv.server.should_exit = True
+            assert ended.wait(60), "the shutdown waited for a request the engine holds"
+        assert outcome["end"] != "complete", outcome  # cut by the shutdown, not finished
+    finally:
+        srv.close()
+    assert not srv.thread.is_alive()
