@@ -62,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "$HERALD_API_KEY, else no key)",
     )
     s.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the start-up warm-up (one short request through the engine before the server "
+        "accepts any, so that the first client does not pay compilations and graph captures)",
+    )
+    s.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -186,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             app = build_app(
                 args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
                 seed=args.seed, served_model_name=args.served_model_name, limits=limits,
+                warm_up=not args.no_warmup,
             )  # fmt: skip
         except ValueError as e:
             raise pool_error(args, e) from None

@@ -12,6 +12,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from herald.cli import main
 
@@ -108,6 +109,7 @@ def test_serve_prints_a_banner_when_ready_and_serves():
             "dtype float32",
             "max batch size 2",
             "max seq len 512",
+            ", warm-up ",
         ):
             assert part in line, line
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
@@ -119,3 +121,26 @@ def test_serve_prints_a_banner_when_ready_and_serves():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_the_warm_up_runs_before_serving_and_leaves_no_trace() -> None:
+    """One short request through the engine at start-up (its one-time costs paid before any
+    client), then the engine as if new: nothing held, counters at zero; --no-warmup skips it."""
+    from server_kit import start_server
+
+    for mode in ("dense", "herald"):
+        srv = start_server(mode=mode, dtype=torch.bfloat16 if mode != "dense" else torch.float32)
+        try:
+            eng = srv.state.engine_loop.engine
+            assert srv.app.state.herald_warmup_s is not None and srv.app.state.herald_warmup_s > 0
+            assert eng.stats.num_generated_tokens == 0 and eng.stats.num_forwards == 0
+            usage = eng.usage()
+            assert usage.gpu_slots_used == 0 and usage.cpu_pages_used == 0, usage
+        finally:
+            srv.close()
+    from herald.server.defaults import SERVE_DEFAULTS
+    from herald.server.launch import build_app
+
+    cold = build_app("tiny-sdar", SERVE_DEFAULTS.replace(max_seq_len=256), warm_up=False)
+    assert cold.state.herald_warmup_s is None
+    assert cold.state.herald.engine_loop.engine.stats.num_forwards == 0
