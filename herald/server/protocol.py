@@ -23,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     field_validator,
     model_validator,
@@ -46,8 +47,8 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _Common(BaseModel):
@@ -58,24 +59,24 @@ class _Common(BaseModel):
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = fields.NEUTRAL_COMMON
 
     model: str | None = None
-    max_tokens: int | None = Field(
+    max_tokens: StrictInt | None = Field(
         default=None, gt=0, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
     )
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=-1)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: StrictInt = Field(default=0, ge=-1)
+    min_tokens: StrictInt = Field(default=0, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    skip_special_tokens: bool = False
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    n: int = 1
-    stream: bool = False
+    include_stop_str_in_output: StrictBool = False
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = False
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
-    steps: int | None = Field(default=None, gt=0, le=MAX_DENOISE_STEPS)
+    steps: StrictInt | None = Field(default=None, gt=0, le=MAX_DENOISE_STEPS)
     mode: str | None = None
     budget: float | None = Field(
         default=None, gt=0.0, le=1.0, allow_inf_nan=False,
@@ -190,8 +191,8 @@ class CompletionRequest(_Common):
                                                 **fields.NEUTRAL_COMPLETIONS}  # fmt: skip
 
     prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _echo_scores(self) -> CompletionRequest:
@@ -280,9 +281,9 @@ class ChatCompletionRequest(_Common):
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = {**fields.NEUTRAL_COMMON, **fields.NEUTRAL_CHAT}
 
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -303,8 +304,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -440,3 +440,17 @@ def test_a_body_sent_as_another_type_says_it_must_be_json(client: httpx.Client) 
     r = client.post("/v1/completions", content=b"")  # no body, no type
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
     assert client.get("/v1/models").json()["data"][0]["created"] > 1_700_000_000
+
+
+def test_booleans_and_integers_are_not_coerced(client: httpx.Client) -> None:
+    """``max_tokens: true`` is not 1 and ``stream: "yes"`` is not true: a 400 names the field."""
+    for body, field in [
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 4, "stream": "yes"}, "stream"),
+        ({"prompt": "x", "max_tokens": 4, "echo": 1}, "echo"),
+        ({"prompt": "x", "max_tokens": 4, "seed": "7"}, "seed"),
+    ]:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": False})
+    assert ok.status_code == 200, ok.text
