@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -191,3 +193,51 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--dtype", type=parse_dtype, default=None, help=DTYPE_HELP)
+
+
+def resolve_dtype(mode: str, dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``dtype`` (``--dtype``), else bf16 on a GPU or with an offloading ``mode`` and fp32 for
+    dense on the CPU. Raises ValueError for an offloading mode with a dtype other than bf16."""
+    if mode != "dense" and dtype is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"--mode {mode} runs bf16 models (the CPU pool and the selection kernel hold bf16), "
+            f"got --dtype {str(dtype).removeprefix('torch.')}: give --dtype bf16 or leave it out"
+        )
+    return dtype or (torch.bfloat16 if device.type == "cuda" or mode != "dense" else torch.float32)
+
+
+def memory_gib() -> tuple[float, float] | None:
+    """(available, total) memory of this machine in GiB (``/proc/meminfo``'s MemAvailable and
+    MemTotal, else the free and total physical pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: v.split() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return int(info["MemAvailable"][0]) / 2**20, int(info["MemTotal"][0]) / 2**20
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        free, total = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return free * page / 2**30, total * page / 2**30
+
+
+def check_pool_flags(args: argparse.Namespace) -> None:
+    """The CPU pool size flags, before the model loads (pages need its geometry: later); a
+    ``--cpu-kv-gb`` above the machine's available memory is refused here, not by the
+    allocator."""
+    gb, tokens = args.cpu_kv_gb, args.cpu_kv_tokens
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        raise ValueError(f"--cpu-kv-gb must be a finite positive number (GiB), got {gb:g}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--cpu-kv-tokens must be >= 1, got {tokens}")
+    if gb is not None and tokens is not None:
+        raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
+    memory = memory_gib() if gb is not None else None
+    if memory is not None and gb > memory[0]:
+        raise ValueError(
+            f"--cpu-kv-gb {gb:g} is more than this machine's available memory: "
+            f"{memory[0]:.1f} GiB available of {memory[1]:.1f} GiB (and the pool shares it "
+            "with the model)"
+        )

@@ -50,7 +50,7 @@ from herald.bench.serve_run import (
     run_points,
 )
 from herald.bench.throughput_records import log
-from herald.cliargs import add_list, add_model_source_args
+from herald.cliargs import add_list, add_model_source_args, check_pool_flags, resolve_dtype
 from herald.config import OffloadConfig, resolve_device
 from herald.engines import MODES
 
@@ -213,24 +213,11 @@ def _offload_config(args: argparse.Namespace, mode: str) -> OffloadConfig | None
             raise ValueError(f"{flags}: offloading modes' flags; --mode dense keeps the KV on "
                              "the device")  # fmt: skip
         return None
-    if "cpu_kv_gb" in given and "cpu_kv_tokens" in given:
-        raise ValueError("give the CPU pool size with --cpu-kv-gb or --cpu-kv-tokens, not both")
-    for name in ("cpu_kv_gb", "cpu_kv_tokens"):
-        if name in given and not given[name] > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {given[name]}")
+    check_pool_flags(args)
     try:
         return OffloadConfig.for_mode(mode, **given)
     except ValueError as e:
         raise ValueError(f"--mode {mode}: {e}") from None
-
-
-def _dtype(args: argparse.Namespace, mode: str, device: torch.device) -> torch.dtype:
-    if args.dtype is None:
-        return torch.bfloat16 if device.type == "cuda" or mode != "dense" else torch.float32
-    dtype: torch.dtype = args.dtype
-    if mode != "dense" and dtype != torch.bfloat16:
-        raise ValueError(f"--mode {mode} runs bf16 models: give --dtype bf16 or leave it out")
-    return dtype
 
 
 def _server_config(args: argparse.Namespace, mode: str, config: Any) -> tuple[Any, ...]:
@@ -276,7 +263,7 @@ def check_args(args: argparse.Namespace) -> Plan:
     else:
         mode = args.mode or "dense"
         device = resolve_device(args.device)
-        dtype = _dtype(args, mode, device)
+        dtype = resolve_dtype(mode, args.dtype, device)
         offload, engine, context = _server_config(args, mode, config)
         plan = Plan(args, device, dtype, mode, offload, engine, context)
     source = StdlibPrompts(tok, seed=args.seed)
