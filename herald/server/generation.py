@@ -255,21 +255,23 @@ def _apply(state: ServerState, c: Choice, kind: str, val: Any) -> Event | None:
     if kind == "done":
         c.finish = str(val)
         delta = c.stream.finish()
-        start, end = c.reported, c.stream.num_kept  # the ids held back with the text
-        c.reported = end
-        ids = c.stream.ids[start:end]
-        return Event(c, start, ids, delta, c.logprobs[start:end], c.tops[start:end], c.finish)
+        return _event(c, delta, c.stream.num_kept)  # with the ids held back with the text
     delta = c.stream.feed(val)
     if c._pending is not None:
         c.logprobs.extend(c._pending[0])
         c.tops.extend(c._pending[1])
         c._pending = None
-    start, end = c.reported, c.stream.num_ready
-    c.reported = end
     if c.stream.stopped:
         c.finish = "stop"
         assert c.handle is not None
         state.engine_loop.cancel(c.handle)  # a stop string ended it early: free the slot
+    return _event(c, delta, c.stream.num_ready)
+
+
+def _event(c: Choice, delta: str, end: int) -> Event:
+    """``c``'s event carrying ``delta`` and its ids (with their logprobs) from the last one
+    reported up to ``end``."""
+    start, c.reported = c.reported, end
     ids = c.stream.ids[start:end]
     return Event(c, start, ids, delta, c.logprobs[start:end], c.tops[start:end], c.finish)
 
