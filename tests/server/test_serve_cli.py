@@ -74,10 +74,10 @@ def test_a_port_in_use_is_found_before_the_model_loads(monkeypatch, capsys):
 
 
 def test_cpu_pool_larger_than_memory_is_refused_before_the_model_loads(monkeypatch, capsys):
-    from herald.cli import common
+    from herald import cliargs
 
     _no_model(monkeypatch)
-    monkeypatch.setattr(common, "memory_gib", lambda: (3.0, 4.0))
+    monkeypatch.setattr(cliargs, "memory_gib", lambda: (3.0, 4.0))  # what check_pool_flags reads
     assert main(["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-gb", "5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cpu-kv-gb 5 is more than this machine's available memory" in err[0]
