@@ -1,6 +1,8 @@
 """One LLaDA2.0-mini MoE block on the GPU: the grouped-GEMM path against the fused Triton path,
 per token count, with the expert GEMMs' weight bandwidth, and the routing after the router GEMM
-in PyTorch against the fused router kernel; optionally a sweep of the fused GEMMs' tile configs.
+in PyTorch against the fused router kernel; optionally a sweep of the fused GEMMs' tile configs,
+each GEMM timed alone (``--sweep-block-m`` / ``--sweep-block-k`` pick the tiles that fix the
+numerics; block_n, warps and stages are swept for each).
 
 ``python -m herald.bench.moe [--tokens 32,1024,2560,4096] [--sweep] [--out DIR]``
 
@@ -23,7 +25,15 @@ import torch
 
 from herald.bench.common import append_jsonl
 from herald.layers.moe import SparseMoE, experts_grouped_mm, route_tokens
-from herald.layers.moe_triton import DOWN_CONFIG, GATE_UP_CONFIG, TileConfig, experts_fused
+from herald.layers.moe_triton import (
+    DOWN_CONFIG,
+    GATE_UP_CONFIG,
+    TileConfig,
+    align_by_expert,
+    experts_fused,
+    launch_down,
+    launch_gate_up,
+)
 from herald.layers.router_triton import route_fused
 
 
@@ -100,30 +110,100 @@ def measure_router(
     }
 
 
-def sweep(moe: SparseMoE, tokens: int, iters: int, repeats: int) -> list[dict[str, object]]:
-    """Every gate/up config with the default down config, then every down config."""
+_SMEM_BYTES = 232_448  # the H200's shared memory per block (227 KiB)
+
+
+def sweep_grid(block_ms: list[int], block_ks: list[int]) -> list[TileConfig]:
+    """Tile configs to try: every (block_m, block_k) asked for, with block_n 64/128/256, 4 or 8
+    warps and 3-5 pipeline stages."""
+    return [
+        TileConfig(block_n=n, num_warps=w, num_stages=s, block_m=m, block_k=k)
+        for m, k, n, w, s in itertools.product(
+            block_ms, block_ks, (64, 128, 256), (4, 8), (3, 4, 5)
+        )
+    ]
+
+
+def smem_bytes(cfg: TileConfig, gemm: str) -> int:
+    """Shared memory of a config's pipeline: per stage the A tile and one (down) or two (gate and
+    up) weight tiles, bf16."""
+    weights = 2 if gemm == "gate_up" else 1
+    return cfg.num_stages * (cfg.block_m * cfg.block_k + weights * cfg.block_k * cfg.block_n) * 2
+
+
+def sweep(
+    moe: SparseMoE, tokens: int, iters: int, repeats: int, grid: list[TileConfig]
+) -> list[dict[str, object]]:
+    """Each fused GEMM timed alone (its launch only, the alignment done once per block_m) for
+    every config of ``grid`` that fits in shared memory, with its weight bandwidth."""
     x = torch.randn(tokens, moe.experts_gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
     idx, _ = moe.route(x)
-    grid = [
-        TileConfig(block_n=n, num_warps=w, num_stages=s)
-        for n, w, s in itertools.product((64, 128, 256), (4, 8), (3, 4))
-    ]
+    wgu, wd = moe.experts_gate_up, moe.experts_down
+    hit = int(idx.unique().numel())
+    hidden, inter = wd.shape[1], wd.shape[2]
+    gemm_bytes = {"gate_up": hit * 2 * inter * hidden * 2, "down": hit * hidden * inter * 2}
+    top_k = idx.shape[1]
     out: list[dict[str, object]] = []
-    for which in ("gate_up", "down"):
-        for cfg in grid:
-            kw = {"gate_up_config": cfg} if which == "gate_up" else {"down_config": cfg}
-            call = functools.partial(
-                experts_fused, x, idx, moe.experts_gate_up, moe.experts_down, **kw
-            )
+    aligned: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for cfg in grid:
+        if cfg.block_m not in aligned:
+            rows, tile_expert = align_by_expert(idx, wgu.shape[0], cfg.block_m)
+            act = launch_gate_up(x, wgu, rows, tile_expert, top_k, _fill_config(cfg))
+            aligned[cfg.block_m] = (rows, tile_expert, act)
+        rows, tile_expert, act = aligned[cfg.block_m]
+        calls = {
+            "gate_up": functools.partial(launch_gate_up, x, wgu, rows, tile_expert, top_k, cfg),
+            "down": functools.partial(launch_down, act, wd, rows, tile_expert, idx.numel(), cfg),
+        }
+        for gemm, call in calls.items():
+            rec: dict[str, object] = {"tokens": tokens, "gemm": gemm, "config": vars(cfg)}
+            if smem_bytes(cfg, gemm) > _SMEM_BYTES:
+                continue
             try:
                 ms = _time_ms(call, iters, repeats)
             except Exception as exc:  # out of shared memory or registers for this tile
-                out.append(
-                    {"tokens": tokens, "gemm": which, "config": vars(cfg), "error": str(exc)[:200]}
-                )
+                out.append({**rec, "error": str(exc)[:200]})
                 continue
-            out.append({"tokens": tokens, "gemm": which, "config": vars(cfg), "ms": ms})
+            out.append({**rec, "ms": ms, "tbps": gemm_bytes[gemm] / ms / 1e9})
     return out
+
+
+def _fill_config(cfg: TileConfig) -> TileConfig:
+    """The default gate/up launch with ``cfg``'s block_m and block_k (to fill ``act``)."""
+    return TileConfig(
+        block_n=64, num_warps=4, num_stages=3, block_m=cfg.block_m, block_k=cfg.block_k
+    )
+
+
+def summarize_sweep(rows: list[dict[str, object]]) -> list[str]:
+    """Lines: per GEMM the three fastest configs, then per (block_m, block_k), which fix the
+    numerics and so must be one choice for every token count, the best time of each GEMM."""
+    lines = []
+    ok = [r for r in rows if "ms" in r]
+    for gemm in ("gate_up", "down"):
+        mine = sorted((r for r in ok if r["gemm"] == gemm), key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
+        lines.append(
+            f"  best {gemm}: "
+            + "; ".join(
+                f"{_cfg_str(r['config'])} {r['ms']:.3f} ms {r['tbps']:.2f} TB/s" for r in mine[:3]
+            )
+        )
+        by_mk: dict[tuple[int, int], float] = {}
+        for r in mine:
+            c = r["config"]
+            assert isinstance(c, dict)
+            key = (int(c["block_m"]), int(c["block_k"]))
+            by_mk.setdefault(key, float(r["ms"]))  # type: ignore[arg-type]
+        lines.append(
+            f"  {gemm} best per (block_m, block_k): "
+            + ", ".join(f"{m}x{k} {ms:.3f}" for (m, k), ms in sorted(by_mk.items()))
+        )
+    return lines
+
+
+def _cfg_str(c: object) -> str:
+    assert isinstance(c, dict)
+    return f"m{c['block_m']} k{c['block_k']} n{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also sweep the fused GEMMs' tiles")
+    p.add_argument("--sweep-block-m", default="16,32,64", help="block_m values of the sweep")
+    p.add_argument("--sweep-block-k", default="64,128", help="block_k values of the sweep")
     p.add_argument("--out", type=Path, default=None, help="write moe.jsonl here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -157,18 +239,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rec['router_tokens_differ']} tokens differ)"
             )
             if a.sweep:
-                rows = sweep(moe, t, a.iters, a.repeats)
+                grid = sweep_grid(_ints(a.sweep_block_m), _ints(a.sweep_block_k))
+                rows = sweep(moe, t, a.iters, a.repeats, grid)
                 records += [{"kind": "sweep", **r} for r in rows]
-                for which in ("gate_up", "down"):
-                    ok = [r for r in rows if r["gemm"] == which and "ms" in r]
-                    best = sorted(ok, key=lambda r: float(r["ms"]))[:3]  # type: ignore[arg-type]
-                    print(
-                        f"  best {which}: "
-                        + "; ".join(f"{r['config']} {r['ms']:.3f}" for r in best)
-                    )
+                for line in summarize_sweep(rows):
+                    print(line)
     if a.out is not None:
         append_jsonl(a.out / "moe.jsonl", records)
     return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
 
 
 if __name__ == "__main__":

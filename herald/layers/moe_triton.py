@@ -153,29 +153,57 @@ def experts_fused(
     ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I], contiguous. No host
     sync. The configs default to the tuned ones; tests pass small tiles.
     """
-    from herald.layers import _moe_kernels as kern
-
     gu = gate_up_config or GATE_UP_CONFIG
     dn = down_config or DOWN_CONFIG
     if gu.block_m != dn.block_m:
         raise ValueError("both GEMMs must use the same block_m (one alignment)")
     num_tokens, top_k = idx.shape
-    num_experts, two_inter, hidden = w_gate_up.shape
-    inter = two_inter // 2
     x = x.contiguous()
-    rows, tile_expert = align_by_expert(idx, num_experts, gu.block_m)
-    num_tiles = tile_expert.numel()
+    rows, tile_expert = align_by_expert(idx, w_gate_up.shape[0], gu.block_m)
+    act = launch_gate_up(x, w_gate_up, rows, tile_expert, top_k, gu)
+    out = launch_down(act, w_down, rows, tile_expert, num_tokens * top_k, dn)
+    return out.view(num_tokens, top_k, w_gate_up.shape[2])
+
+
+def launch_gate_up(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    rows: torch.Tensor,
+    tile_expert: torch.Tensor,
+    top_k: int,
+    cfg: TileConfig,
+) -> torch.Tensor:
+    """The gate/up GEMM with its SwiGLU epilogue over rows aligned by :func:`align_by_expert`
+    (with ``cfg.block_m``): ``act`` [P, I] in ``x.dtype``. Separate so the benchmark can time
+    each GEMM alone."""
+    from herald.layers import _moe_kernels as kern
+
+    hidden, inter = w_gate_up.shape[2], w_gate_up.shape[1] // 2
     act = x.new_empty(rows.numel(), inter)
-    out = x.new_empty(num_tokens * top_k, hidden)
-    kern.gate_up_swiglu[(num_tiles, -(-inter // gu.block_n))](
-        x, w_gate_up, act, rows, tile_expert, num_tokens * top_k, hidden, inter,
-        **_meta(gu, TOP_K=top_k),
+    kern.gate_up_swiglu[(tile_expert.numel(), -(-inter // cfg.block_n))](
+        x, w_gate_up, act, rows, tile_expert, x.shape[0] * top_k, hidden, inter,
+        **_meta(cfg, TOP_K=top_k),
     )  # fmt: skip
-    kern.down[(num_tiles, -(-hidden // dn.block_n))](
-        act, w_down, out, rows, tile_expert, num_tokens * top_k, hidden, inter,
-        **_meta(dn),
-    )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden)
+    return act
+
+
+def launch_down(
+    act: torch.Tensor,
+    w_down: torch.Tensor,
+    rows: torch.Tensor,
+    tile_expert: torch.Tensor,
+    num_rows: int,
+    cfg: TileConfig,
+) -> torch.Tensor:
+    """The down GEMM, each row stored at its (token, slot) row: ``out`` [num_rows, H]."""
+    from herald.layers import _moe_kernels as kern
+
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    out = act.new_empty(num_rows, hidden)
+    kern.down[(tile_expert.numel(), -(-hidden // cfg.block_n))](
+        act, w_down, out, rows, tile_expert, num_rows, hidden, inter, **_meta(cfg)
+    )
+    return out
 
 
 def _meta(cfg: TileConfig, **extra: Any) -> dict[str, Any]:
