@@ -64,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     s.add_argument(
         "--no-warmup",
         action="store_true",
-        help="skip the start-up warm-up (one short request through the engine before the server "
-        "accepts any, so that the first client does not pay compilations and graph captures)",
+        help="skip the start-up warm-up (on the GPU: every batch size from --max-batch-size down "
+        "to 1 runs through the engine, capturing its CUDA graphs, before the server accepts "
+        "requests, so that no client pays compilations or captures; on the CPU one short request)",
     )
     s.add_argument(
         "--served-model-name",

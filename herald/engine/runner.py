@@ -27,6 +27,14 @@ class ModelRunner:
         self.use_cuda_graph = use_cuda_graph and param.device.type == "cuda" and graph_safe
         self._graphs: dict[tuple[int, int], PiecewiseGraphForward] = {}
         self._eager: set[tuple[int, int]] = set()
+        self.forwards: dict[tuple[int, int], int] = {}
+        """Forwards run per input shape ``(bs, length)``, graphs or not (the start-up warm-up
+        reports the batch sizes it reached)."""
+
+    @property
+    def num_graph_shapes(self) -> int:
+        """Input shapes with captured graphs."""
+        return len(self._graphs)
 
     def release(self) -> None:
         """Drop the captured graphs (and their memory pools) now, not whenever the garbage
@@ -39,9 +47,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Final-normed hidden states ``[bs, L, hidden]`` (a graph's static buffer when replayed:
         valid until the next forward of that shape)."""
+        key = (input_ids.shape[0], input_ids.shape[1])
+        self.forwards[key] = self.forwards.get(key, 0) + 1
         if not self.use_cuda_graph:
             return self.model(input_ids, positions, attn)
-        key = (input_ids.shape[0], input_ids.shape[1])
         runner = self._graphs.get(key)
         if runner is None:
             if key not in self._eager:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +19,7 @@ import torch
 from fastapi import FastAPI
 
 from herald import env
-from herald.config import EngineConfig, SamplingParams
-from herald.engine.stats import EngineStats
+from herald.config import EngineConfig
 from herald.engines import build_engine
 from herald.models.loader import load_model
 from herald.server import front
@@ -31,6 +29,7 @@ from herald.server.defaults import FRONT_DEFAULTS, SERVE_DEFAULTS, FrontLimits
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
 from herald.server.state import served_names
+from herald.server.warmup import warm_up_engine
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +53,8 @@ def build_app(
     settings, before the model loads where it can. The model id the server reports and accepts
     is ``served_model_name`` (several: the first is reported, each accepted), else the model's
     name (:func:`~herald.server.state.served_names`); the API key is ``api_key``, else
-    ``HERALD_API_KEY``, else none. With ``warm_up`` one short request runs through the engine
-    first (:func:`warm_up_engine`).
+    ``HERALD_API_KEY``, else none. With ``warm_up`` the engine's one-time costs are paid before
+    it serves (:mod:`herald.server.warmup`: every batch size's CUDA graphs when it uses them).
     """
     names = served_names(model, served_model_name)
     key = (api_key if api_key is not None else env.settings().api_key) or None
@@ -79,31 +78,20 @@ def build_app(
             "such requests will be refused (enlarge --cpu-kv-gb / --cpu-kv-tokens)",
             usage.cpu_pages_total, eng.max_seq_len, longest,
         )  # fmt: skip
-    warmed = warm_up_engine(eng, tokenizer) if warm_up else None
+    warmed = None
+    if warm_up:
+        log.info("warming up")
+        warmed = warm_up_engine(eng, tokenizer)
+        log.info("warm-up done: %s", warmed.describe())
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
     state = ServerState(loop, tokenizer, names[0], metrics, key, template, aliases=names[1:])
     app = create_app(state)
-    app.state.herald_warmup_s = warmed
+    app.state.herald_warmup = warmed
+    app.state.herald_warmup_s = None if warmed is None else warmed.seconds
     front.install(app, limits, lambda: state.api_key)
     return app
-
-
-def warm_up_engine(eng: Any, tokenizer: Any) -> float:
-    """Run one short request (two blocks, three denoising steps each) through ``eng`` before
-    the server accepts any, so that the first client does not pay the one-time costs of the
-    batch-of-one shapes: compiled kernels, attention plans, CUDA-graph captures, the offloading
-    modes' first selection and hand-offs. The engine's counters start again afterwards.
-    Returns the seconds it took."""
-    t0 = time.perf_counter()
-    b = eng.config.block_size
-    prompt = tokenizer.encode("def warm_up(x):\n    return x\n")[: max(1, eng.max_seq_len - 3 * b)]
-    new = min(2 * b, eng.max_seq_len - len(prompt))
-    params = SamplingParams(max_new_tokens=new, num_denoise_steps=3, ignore_eos=True)
-    eng.generate([prompt], params)
-    eng.stats = EngineStats()
-    return time.perf_counter() - t0
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -134,19 +122,20 @@ def bound_url(sock: socket.socket) -> str:
 
 
 def banner(app: FastAPI, url: str) -> str:
-    """The line printed once the server accepts requests."""
+    """The line printed once the server accepts requests: model, mode, device, dtype, limits,
+    the KV pools (:meth:`~herald.engine.base.Engine.describe`) and the warm-up."""
     state: ServerState = app.state.herald
     eng = state.engine_loop.engine
     mode = eng.mode if eng.mode == "dense" else f"{eng.mode} (kv budget {eng.kv_budget:g})"
     waiting = eng.scheduler.max_waiting
-    warmed = getattr(app.state, "herald_warmup_s", None)
+    warmed = getattr(app.state, "herald_warmup", None)
     return (
         f"herald serve ready on {url}: model {state.model_name}, mode {mode}, device "
         f"{eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, max batch size "
         f"{eng.max_batch_size}, max seq len {eng.max_seq_len}, "
-        f"max waiting {'unbounded' if waiting is None else waiting}"
-        + ("" if warmed is None else f", warm-up {warmed:.1f} s")
-        + (", API key required on /v1" if state.api_key else "")
+        f"max waiting {'unbounded' if waiting is None else waiting}; {eng.describe()}"
+        + ("; no warm-up" if warmed is None else f"; warm-up {warmed.describe()}")
+        + ("; API key required on /v1" if state.api_key else "")
     )
 
 

@@ -109,7 +109,8 @@ def test_serve_prints_a_banner_when_ready_and_serves():
             "dtype float32",
             "max batch size 2",
             "max seq len 512",
-            ", warm-up ",
+            "; warm-up ",
+            "GPU KV slots",
         ):
             assert part in line, line
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
