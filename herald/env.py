@@ -26,10 +26,11 @@ variable                       meaning
 ``HERALD_COMPILE``             ``0`` turns off ``torch.compile`` of the fused elementwise kernels
 ``HERALD_API_KEY``             the key ``herald serve`` requires as ``Authorization: Bearer KEY``
                                (``--api-key`` wins); unset or empty: no key
-``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: the block attention on
-                               small stores, i.e. the sparse pools, where it measured faster),
-                               ``all`` (also the fused MoE, the dense cache and prefill chunks) or
-                               ``0`` (none: grouped-GEMM MoE and SDPA)
+``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: those measured faster,
+                               the block attention on small stores, i.e. the sparse pools, and the
+                               fused MoE router of bf16/fp16 models), ``all`` (also the fused MoE
+                               experts, the dense cache, prefill chunks and the router of float32
+                               models) or ``0`` (none: PyTorch routing, grouped-GEMM MoE and SDPA)
 =============================  ==================================================================
 """
 

@@ -2,7 +2,8 @@
 per token count, with the expert GEMMs' weight bandwidth, and the routing after the router GEMM
 in PyTorch against the fused router kernel; optionally a sweep of the fused GEMMs' tile configs,
 each GEMM timed alone (``--sweep-block-m`` / ``--sweep-block-k`` pick the tiles that fix the
-numerics; block_n, warps and stages are swept for each).
+numerics; block_n, warps and stages are swept for each). The fused path runs with its defaults,
+the per-token-count launch configs of :data:`herald.layers.moe_triton.TILE_TABLE`.
 
 ``python -m herald.bench.moe [--tokens 32,1024,2560,4096] [--sweep] [--out DIR]``
 
@@ -26,8 +27,7 @@ import torch
 from herald.bench.common import append_jsonl
 from herald.layers.moe import SparseMoE, experts_grouped_mm, route_tokens
 from herald.layers.moe_triton import (
-    DOWN_CONFIG,
-    GATE_UP_CONFIG,
+    TILE_TABLE,
     TileConfig,
     align_by_expert,
     experts_fused,
@@ -110,7 +110,9 @@ def measure_router(
     }
 
 
-_SMEM_BYTES = 232_448  # the H200's shared memory per block (227 KiB)
+H200_SMEM_BYTES = 232_448
+"""The H200's shared memory per block (227 KiB): the sweep skips, and the tuned table avoids,
+configs whose pipeline needs more."""
 
 
 def sweep_grid(block_ms: list[int], block_ks: list[int]) -> list[TileConfig]:
@@ -157,7 +159,7 @@ def sweep(
         }
         for gemm, call in calls.items():
             rec: dict[str, object] = {"tokens": tokens, "gemm": gemm, "config": vars(cfg)}
-            if smem_bytes(cfg, gemm) > _SMEM_BYTES:
+            if smem_bytes(cfg, gemm) > H200_SMEM_BYTES:
                 continue
             try:
                 ms = _time_ms(call, iters, repeats)
@@ -223,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     moe = _moe(a.hidden, a.inter, a.experts)
-    print(f"defaults: gate_up {GATE_UP_CONFIG}, down {DOWN_CONFIG}")
+    lower = 0
+    for limit, gate_up, down in TILE_TABLE:
+        span = f"T {lower + 1}..{limit}" if limit is not None else f"T > {lower}"
+        print(f"fused tiles {span}: gate_up {_cfg_str(vars(gate_up))}, down {_cfg_str(vars(down))}")
+        lower = limit if limit is not None else lower
     records: list[dict[str, object]] = []
     with torch.no_grad():
         for t in (int(s) for s in a.tokens.split(",")):

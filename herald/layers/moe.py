@@ -20,8 +20,14 @@ expert paths compute the same thing:
 * ``fused``: :mod:`herald.layers.moe_triton`, our Triton kernels (rows aligned per expert on the
   GPU, SwiGLU fused into the gate/up GEMM, the unsort fused into the down GEMM's store).
 
-``impl="auto"`` (default) picks ``fused`` for bf16/fp16 CUDA inputs when Triton is present, else
-``grouped_mm`` when available, else the reference.
+``impl="auto"`` (default) picks ``fused`` for bf16/fp16 CUDA inputs when Triton is present and
+``HERALD_TRITON=all`` (opt-in: not yet measured faster than ``grouped_mm``), else ``grouped_mm``
+when available, else the reference.
+
+The routing after the router GEMM runs in one Triton kernel
+(:func:`herald.layers.router_triton.route_fused`) for bf16/fp16 CUDA inputs under the default
+``HERALD_TRITON=auto`` (measured faster on the H200; ``HERALD_TRITON=0`` turns it off, float32
+models use it only with ``all``), else in PyTorch (:func:`route_tokens`).
 
 On CUDA the router's GEMM runs on the bf16 operands with float32 accumulation and output
 (``torch.mm(..., out_dtype=float32)``): the products of two bf16 numbers are exact in float32, so
@@ -227,7 +233,7 @@ class SparseMoE(nn.Module):
         """[T, H] -> (expert ids [T, K] int64, weights [T, K] float32); see :func:`route_tokens`
         (:func:`~herald.layers.router_triton.route_fused` where it applies)."""
         logits = self.gate(x)
-        fused = fused_router_available(logits, self.num_experts, self.n_group)
+        fused = fused_router_available(logits, self.num_experts, self.n_group, dtype=x.dtype)
         return (route_fused if fused else route_tokens)(
             logits,
             self.gate.expert_bias,

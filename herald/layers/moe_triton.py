@@ -23,8 +23,9 @@ tiles finish, so a token's rounding would change from run to run.
 Batch invariance: a row's result depends only on its token and its expert. Every row's sum over
 H (or I) runs in ``BLOCK_K`` chunks in one fixed order, never split across programs, with the
 same ``BLOCK_M`` and ``BLOCK_K`` for every token count; the tuned choices (tile width over N,
-warps, pipeline stages) change how the work is spread, not the order of any row's sum. The GPU
-tests check it bit for bit.
+warps, pipeline stages), which :func:`tile_configs` picks per token count from a small table
+measured on the H200 (:data:`TILE_TABLE`), change how the work is spread, not the order of any
+row's sum. The GPU tests check it bit for bit, across the table's rows.
 
 The GEMMs here differ from the reference in one rounding: SwiGLU is applied to the float32
 accumulators, where the reference rounds gate and up to the model dtype first.
@@ -134,9 +135,48 @@ def align_by_expert(
     return rows, tile_expert.to(torch.int32)
 
 
-# Tuned on the H200 for LLaDA2.0-mini's shapes (H 2048, I 512): wide tiles over N, deep pipelines.
-GATE_UP_CONFIG = TileConfig(block_n=128, num_warps=8, num_stages=3)
-DOWN_CONFIG = TileConfig(block_n=128, num_warps=4, num_stages=4)
+# Launch configs per token count, measured on the H200 for LLaDA2.0-mini's shapes (E 256, top-8,
+# H 2048, I 512, bf16; ``python -m herald.bench.moe --sweep --sweep-block-m 64 --sweep-block-k 64``,
+# each GEMM's launch timed alone). Best gate/up and down launch (ms) at block_m = block_k = 64:
+#   T   32: gate_up n128 w8 s3 0.165,                  down n128 w4 s4 0.085
+#   T 1024: gate_up n128 w8 s5 0.270 (n256 w8 s3 same), down n64  w4 s3 0.154
+#   T 2560: gate_up n256 w8 s3 0.362,                  down n256 w8 s5 0.244
+#   T 4096: gate_up n256 w8 s3 0.415,                  down n256 w8 s5 0.307
+# With the T 32 pair at every T (the one global config before this table), the whole of
+# experts_fused took 0.446 / 0.636 / 0.827 / 0.991 ms at T 32 / 1024 / 2560 / 4096.
+# Rows: (largest token count, gate/up config, down config); the last row takes every larger T.
+# Only block_n, warps and stages vary: block_m and block_k stay BLOCK_M and BLOCK_K for every T
+# (batch invariance), and every config fits the H200's 232,448 B of shared memory per block
+# (herald.bench.moe.smem_bytes; tests/models/test_moe_triton.py checks both). The choice depends
+# on the token count alone, which is static under CUDA-graph capture.
+TILE_TABLE: tuple[tuple[int | None, TileConfig, TileConfig], ...] = (
+    (
+        512,
+        TileConfig(block_n=128, num_warps=8, num_stages=3),
+        TileConfig(block_n=128, num_warps=4, num_stages=4),
+    ),
+    (
+        1536,
+        TileConfig(block_n=128, num_warps=8, num_stages=5),
+        TileConfig(block_n=64, num_warps=4, num_stages=3),
+    ),
+    (
+        None,
+        TileConfig(block_n=256, num_warps=8, num_stages=3),
+        TileConfig(block_n=256, num_warps=8, num_stages=5),
+    ),
+)
+
+
+def tile_configs(num_tokens: int) -> tuple[TileConfig, TileConfig]:
+    """The (gate/up, down) launch configs of :data:`TILE_TABLE` for ``num_tokens`` tokens."""
+    for limit, gate_up, down in TILE_TABLE:
+        if limit is None or num_tokens <= limit:
+            # block_m and block_k fix each row's sum: one value for every token count.
+            assert gate_up.block_m == down.block_m == BLOCK_M
+            assert gate_up.block_k == down.block_k == BLOCK_K
+            return gate_up, down
+    raise AssertionError("the last row of TILE_TABLE takes every token count")
 
 
 def experts_fused(
@@ -151,10 +191,11 @@ def experts_fused(
     """Every (token, slot) expert output: [T, H] x [T, K] ids -> [T, K, H] in ``x.dtype``.
 
     ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I], contiguous. No host
-    sync. The configs default to the tuned ones; tests pass small tiles.
+    sync. The configs default to :func:`tile_configs` for T tokens; tests pass small tiles.
     """
-    gu = gate_up_config or GATE_UP_CONFIG
-    dn = down_config or DOWN_CONFIG
+    default_gu, default_dn = tile_configs(idx.shape[0])
+    gu = gate_up_config or default_gu
+    dn = down_config or default_dn
     if gu.block_m != dn.block_m:
         raise ValueError("both GEMMs must use the same block_m (one alignment)")
     num_tokens, top_k = idx.shape

@@ -14,6 +14,11 @@ group wins; ``topk`` leaves tie order unspecified) and the float32 rounding of t
 of the weights' sum. Per token, so batch invariant; no host sync, static shapes (graph safe).
 E and the group count must be powers of two, with at least two experts per group (LLaDA2.0-mini:
 256 experts in 8 groups of 32); :func:`fused_router_available` says when this path applies.
+
+On by default (``HERALD_TRITON=auto``) for bf16/fp16 models on CUDA: on the H200 at
+LLaDA2.0-mini's shapes it took 0.029-0.045 ms against 0.18-0.28 ms for the PyTorch routing at
+32-4,096 tokens, with no token routed differently (``python -m herald.bench.moe``).
+``HERALD_TRITON=0`` turns it off; float32 models (the reference runs) use it only with ``all``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def fused_router_available(logits: torch.Tensor, num_experts: int, n_group: int) -> bool:
+def fused_router_available(
+    logits: torch.Tensor, num_experts: int, n_group: int, *, dtype: torch.dtype
+) -> bool:
     """True when the fused router suits these logits: CUDA (or the Triton interpreter on the
-    CPU), ``HERALD_TRITON=all`` (not yet measured on the GPU), and power-of-two counts of
-    experts and groups with at least two experts per group."""
-    if not (logits.is_cuda or interpreting()) or not triton_enabled(True):
+    CPU), Triton enabled (``HERALD_TRITON`` not ``0``; for a model ``dtype`` other than
+    bf16/fp16, i.e. float32 reference runs, only ``all``), and power-of-two counts of experts and
+    groups with at least two experts per group. ``dtype`` is the model's (the MoE input's): the
+    logits are float32 whatever it is."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if not (logits.is_cuda or interpreting()) or not triton_enabled(everywhere=not half):
         return False
     return _pow2(num_experts) and _pow2(n_group) and num_experts >= 2 * n_group
 

@@ -12,12 +12,17 @@ import textwrap
 import pytest
 import torch
 
+from herald.bench.moe import H200_SMEM_BYTES, smem_bytes
 from herald.layers.moe import SparseMoE, experts_reference
 from herald.layers.moe_triton import (
+    BLOCK_K,
+    BLOCK_M,
+    TILE_TABLE,
     align_by_expert,
     experts_fused,
     fused_available,
     padded_rows,
+    tile_configs,
     triton_available,
 )
 
@@ -55,6 +60,34 @@ def test_align_by_expert_groups_rows_in_order_with_padding(
         assert own.tolist() == sorted(own.tolist())  # (token, slot) order kept within an expert
 
 
+def test_tile_configs_keep_the_numerics_fixed_and_fit_in_shared_memory() -> None:
+    """Per token count only block_n, warps and stages change: block_m and block_k (the order of
+    each row's sum) are 64 for every T, and every table entry fits the H200's shared memory."""
+    assert BLOCK_M == BLOCK_K == 64
+    limits = [limit for limit, _, _ in TILE_TABLE]
+    assert limits[-1] is None and all(isinstance(v, int) for v in limits[:-1])
+    assert limits[:-1] == sorted(limits[:-1])  # type: ignore[type-var]
+    for tokens in (*range(0, 5000, 7), 512, 513, 1536, 1537, 10**6):
+        gate_up, down = tile_configs(tokens)
+        for cfg in (gate_up, down):
+            assert (cfg.block_m, cfg.block_k) == (64, 64), (tokens, cfg)
+    for _, gate_up, down in TILE_TABLE:
+        assert smem_bytes(gate_up, "gate_up") <= H200_SMEM_BYTES, gate_up
+        assert smem_bytes(down, "down") <= H200_SMEM_BYTES, down
+    # The thresholds and configs measured on the H200 (the comment above TILE_TABLE):
+    # T -> (gate/up, down) as (block_n, num_warps, num_stages).
+    small, mid, large = (
+        ((128, 8, 3), (128, 4, 4)),
+        ((128, 8, 5), (64, 4, 3)),
+        ((256, 8, 3), (256, 8, 5)),
+    )
+    expected = {1: small, 32: small, 512: small, 513: mid, 1024: mid, 1536: mid, 1537: large}
+    expected |= {2560: large, 4096: large}
+    for tokens, want in expected.items():
+        got = tuple((c.block_n, c.num_warps, c.num_stages) for c in tile_configs(tokens))
+        assert got == want, tokens
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -74,6 +107,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             assert y.shape == ref.shape and y.dtype == dtype
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             assert err < tol, (dtype, tokens, top_k, err)
+    # The default launch configs (tile_configs: block_m = block_k = 64) of each table row.
+    E, H, I = 2, 128, 128
+    wgu, wd = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 8
+    for tokens in (3, 600, 1600):
+        x = torch.randn(tokens, H)
+        idx = torch.randint(0, E, (tokens, 1))
+        y = experts_fused(x, idx, wgu, wd)
+        ref = experts_reference(x, idx, wgu, wd)
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-5, (tokens, err)
     print("ok")
     """
 )

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         for T in (1, 5, 37):
             x = torch.randn(T, E) * 2
             b = torch.randn(E) * 0.1
-            assert fused_router_available(x, E, G)
+            assert fused_router_available(x, E, G, dtype=torch.float32)  # under HERALD_TRITON=all
             args = dict(top_k=K, n_group=G, topk_group=kept, routed_scaling_factor=2.5)
             i1, w1 = route_fused(x, b, **args)
             i0, w0 = route_tokens(x, b, **args)
@@ -61,17 +62,59 @@ def test_fused_router_equals_the_pytorch_routing_in_the_triton_interpreter() -> 
 
 
 def test_fused_router_applies_only_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("HERALD_TRITON", "all")
-    cpu = torch.zeros(4, 256)
-    assert not fused_router_available(cpu, 256, 8)  # CPU tensors without the interpreter
+    cpu = torch.zeros(4, 256)  # router logits are float32 whatever the model's dtype
+    assert not fused_router_available(cpu, 256, 8, dtype=bf16)  # CPU without the interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert fused_router_available(cpu, 256, 8) == triton_available()
-    assert not fused_router_available(cpu, 96, 8)  # not a power of two
-    assert not fused_router_available(cpu, 256, 6)
-    assert not fused_router_available(cpu, 8, 8)  # one expert per group
-    monkeypatch.setenv("HERALD_TRITON", "auto")  # opt-in until measured on the GPU
-    assert not fused_router_available(cpu, 256, 8)
+    for dtype in (bf16, fp16, fp32):  # all: every model dtype
+        assert fused_router_available(cpu, 256, 8, dtype=dtype) == triton_available()
+    assert not fused_router_available(cpu, 96, 8, dtype=bf16)  # not a power of two
+    assert not fused_router_available(cpu, 256, 6, dtype=bf16)
+    assert not fused_router_available(cpu, 8, 8, dtype=bf16)  # one expert per group
+    monkeypatch.setenv("HERALD_TRITON", "auto")  # the default: on for bf16/fp16 models
+    assert fused_router_available(cpu, 256, 8, dtype=bf16) == triton_available()
+    assert fused_router_available(cpu, 256, 8, dtype=fp16) == triton_available()
+    assert not fused_router_available(cpu, 256, 8, dtype=fp32)  # float32 reference runs: all
+    monkeypatch.delenv("HERALD_TRITON")  # unset is auto
+    assert fused_router_available(cpu, 256, 8, dtype=bf16) == triton_available()
+    monkeypatch.setenv("HERALD_TRITON", "0")  # off
+    for dtype in (bf16, fp16, fp32):
+        assert not fused_router_available(cpu, 256, 8, dtype=dtype)
+
+
+def test_moe_block_routes_through_the_fused_router_by_default_for_half_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SparseMoE.route passes the model's dtype: under the default ``auto`` a bf16 block takes the
+    fused router, a float32 block the PyTorch routing; ``0`` turns it off. (A stand-in records
+    the calls, so no kernel runs outside the interpreter.)"""
+    import herald.layers.moe as moe_mod
+
+    calls: list[int] = []
+
+    def spy(logits: torch.Tensor, bias: torch.Tensor, **kw: object) -> object:
+        calls.append(logits.shape[0])
+        return route_tokens(logits, bias, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(moe_mod, "route_fused", spy)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets CPU tensors pass the device check
+    monkeypatch.delenv("HERALD_TRITON", raising=False)
+    for dtype, mode, fused in (
+        (torch.bfloat16, "auto", True),
+        (torch.float32, "auto", False),
+        (torch.float32, "all", True),
+        (torch.bfloat16, "0", False),
+    ):
+        monkeypatch.setenv("HERALD_TRITON", mode)
+        moe = moe_mod.SparseMoE(16, 8, 32, 8, n_group=8, topk_group=4, dtype=dtype)
+        with torch.no_grad():
+            moe.gate.weight.normal_(0, 0.5)
+        calls.clear()
+        idx, _ = moe.route(torch.randn(5, 16, dtype=dtype))
+        assert idx.shape == (5, 8)
+        assert calls == ([5] if fused and triton_available() else []), (dtype, mode)
 
 
 def _llada_logits(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +123,7 @@ def _llada_logits(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(256, generator=g, device="cuda") * 0.1
 
 
-ARGS = {"top_k": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
+ARGS: dict[str, Any] = {"top_k": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
 
 
 @pytest.mark.gpu
