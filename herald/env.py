@@ -31,6 +31,9 @@ variable                       meaning
                                fused MoE router of bf16/fp16 models), ``all`` (also the fused MoE
                                experts, the dense cache, prefill chunks and the router of float32
                                models) or ``0`` (none: PyTorch routing, grouped-GEMM MoE and SDPA)
+``HERALD_ALLOW_LONG_CONTEXT``  ``1``: ``herald serve --max-seq-len`` may exceed the model's
+                               ``max_position_embeddings`` (RoPE extrapolates; with a warning),
+                               as vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; else it is capped there
 =============================  ==================================================================
 """
 
@@ -68,6 +71,7 @@ class Settings:
     compile: bool = True
     api_key: str | None = field(default=None, repr=False)
     triton: str = "auto"
+    allow_long_context: bool = False
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -123,6 +127,7 @@ def parse(env: dict[str, str]) -> Settings:
         compile=env.get("HERALD_COMPILE", "1").strip() != "0",
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
+        allow_long_context=env.get("HERALD_ALLOW_LONG_CONTEXT", "0").strip() == "1",
     )
 
 

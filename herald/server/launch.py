@@ -62,12 +62,22 @@ def build_app(
     limits.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
     if engine.max_seq_len > config.max_position_embeddings:
-        log.warning(
-            "--max-seq-len %d is more than the model's context (max_position_embeddings %d): "
-            "serving at most %d tokens per request",
-            engine.max_seq_len, config.max_position_embeddings, config.max_position_embeddings,
-        )  # fmt: skip
-        engine = engine.replace(max_seq_len=config.max_position_embeddings)
+        if env.settings().allow_long_context:
+            log.warning(
+                "--max-seq-len %d is more than the model's context (max_position_embeddings %d); "
+                "serving it anyway (HERALD_ALLOW_LONG_CONTEXT=1): positions past the model's "
+                "context were never trained, outputs there may be degraded",
+                engine.max_seq_len, config.max_position_embeddings,
+            )  # fmt: skip
+            net.ensure_max_positions(engine.max_seq_len)
+        else:
+            log.warning(
+                "--max-seq-len %d is more than the model's context (max_position_embeddings %d): "
+                "serving at most %d tokens per request (HERALD_ALLOW_LONG_CONTEXT=1 serves more)",
+                engine.max_seq_len, config.max_position_embeddings,
+                config.max_position_embeddings,
+            )  # fmt: skip
+            engine = engine.replace(max_seq_len=config.max_position_embeddings)
     eng = build_engine(net, config, engine)
     log.info("%s", eng.describe())
     usage = eng.usage()

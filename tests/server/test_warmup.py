@@ -105,3 +105,26 @@ def test_warm_up_captures_every_size_and_changes_no_reply(mode: str) -> None:
     finally:
         warm.close()
     assert got == want
+
+
+def test_max_seq_len_past_the_models_context_is_capped_unless_allowed(monkeypatch, caplog) -> None:
+    """--max-seq-len above max_position_embeddings: capped with a warning by default; served
+    with HERALD_ALLOW_LONG_CONTEXT=1 (the RoPE table grown to cover it)."""
+    from herald import env
+    from herald.server.launch import build_app
+
+    context = get_preset("tiny-sdar").max_position_embeddings
+    long = SERVE_DEFAULTS.replace(max_seq_len=context * 2, max_batch_size=1)
+    capped = build_app("tiny-sdar", long, warm_up=False)
+    assert capped.state.herald.engine_loop.engine.max_seq_len == context
+    monkeypatch.setenv("HERALD_ALLOW_LONG_CONTEXT", "1")
+    env.reload_settings()
+    try:
+        app = build_app("tiny-sdar", long, warm_up=False)
+    finally:
+        monkeypatch.delenv("HERALD_ALLOW_LONG_CONTEXT")
+        env.reload_settings()
+    eng = app.state.herald.engine_loop.engine
+    assert eng.max_seq_len == context * 2
+    assert eng.model.rotary.max_positions >= context * 2
+    assert "HERALD_ALLOW_LONG_CONTEXT=1" in caplog.text
