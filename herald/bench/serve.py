@@ -9,10 +9,13 @@ streaming completions of real text from the local Python standard library, cut t
 ``--duration-limit-s`` (the requests left are cancelled and counted). Each level reports
 generated and prompt tokens/s over its wall time, time to first chunk, time between chunks and
 end-to-end latency (p50 / p90 / p99) and its completed / failed / cancelled counts
-(:mod:`herald.bench.serve_client`). One JSON line per level is appended to
-``OUT/serve_bench.jsonl`` after a line naming the machine, code and command, and ``OUT/README.md``
-is rebuilt from every record there. ``--throughput-point`` adds, per level, ``herald bench
-throughput``'s decode figure for the same configuration (:mod:`herald.bench.serve_point`).
+(:mod:`herald.bench.serve_client`); from the server's ``/metrics`` read before and after it, the
+engine's prefill and decode seconds and prompt and generated tokens over the level, and the
+served tokens/s without the prefill time. One JSON line per level is appended to
+``OUT/serve_bench.jsonl`` after a line naming the machine, code and command, then a summary line
+once the run has ended, and ``OUT/README.md`` is rebuilt from every record there.
+``--throughput-point`` adds, per level, ``herald bench throughput``'s decode figure for the same
+configuration (:mod:`herald.bench.serve_point`) and the ratio of the served rate to it.
 
 On a CPU, with the embedded model, then HERALD on the tiny preset with the throughput figure
 beside each level::
@@ -40,7 +43,14 @@ import torch
 from herald.bench.common import benchmark_main, benchmark_parser, register_benchmark
 from herald.bench.serve_client import server_card
 from herald.bench.serve_prompts import StdlibPrompts
-from herald.bench.serve_report import JSONL_NAME, group_runs, load_records, table, write_readme
+from herald.bench.serve_report import (
+    JSONL_NAME,
+    comparison,
+    group_runs,
+    load_records,
+    table,
+    write_readme,
+)
 from herald.bench.serve_run import (
     InProcessServer,
     Plan,
@@ -297,9 +307,10 @@ def run(args: argparse.Namespace) -> int:
         net_config = server.stop() if server is not None else None
     if args.throughput_point and net_config is not None:
         run_points(plan, *net_config, head, records)
-    write_readme(args.out)
     (this,) = [r for r in group_runs(load_records(args.out)) if r["levels"]
                and r["levels"][0]["run_id"] == records.run_id]  # fmt: skip
+    records.add({"kind": "summary", "rows": comparison(this["levels"], this["points"])})
+    write_readme(args.out)
     print(table(this["levels"], this["points"]))
     log(f"wrote {args.out / JSONL_NAME} and {args.out / 'README.md'}")
     if failed:

@@ -7,7 +7,9 @@ is cancelled (its connection closed, which aborts it in the server) and counted 
 Each request records the time to its first chunk with tokens, the times between its chunks with
 tokens (a herald stream sends one per committed block) and, when it completes, its end-to-end
 latency; its generated tokens are the ``token_ids`` its chunks carry (herald's extension), else
-the usage the server reports.
+the usage the server reports. The server's own counters (``/metrics``) read before and after a
+level give its engine's prefill and decode seconds and tokens over the level
+(:func:`engine_deltas`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from typing import Any
 PERCENTILES = (50, 90, 99)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Plain HTTP to the server, never through a proxy the environment names."""
+
+ENGINE_COUNTERS = {
+    "engine_prefill_s": "herald_prefill_seconds_total",
+    "engine_decode_s": "herald_decode_seconds_total",
+    "engine_prompt_tokens": "herald_prompt_tokens_total",
+    "engine_generated_tokens": "herald_generated_tokens_total",
+}
+"""Level record field -> the server counter (``/metrics``) whose increase over the level it is."""
 
 
 @dataclass(frozen=True)
@@ -174,22 +184,93 @@ def summarize(outcomes: list[Outcome], wall: float, prompt_tokens: int) -> dict[
     }
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples of Prometheus text format by name as written, labels included (e.g.
+    ``herald_requests_total{outcome="ok"}``); comments, blank lines and lines whose value is
+    not a number are left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        cut = line.rfind("}") + 1 if "{" in line else line.find(" ")
+        if cut <= 0:
+            continue
+        name, rest = line[:cut].strip(), line[cut:].split()
+        if not rest:
+            continue
+        try:
+            out[name] = float(rest[0])
+        except ValueError:
+            continue
+    return out
+
+
+def server_metrics(url: str) -> dict[str, float] | None:
+    """The samples of the ``/metrics`` of the server at ``url`` (:func:`parse_metrics`), None
+    when it cannot be read."""
+    try:
+        with _OPENER.open(f"{url}/metrics", timeout=10) as r:
+            return parse_metrics(r.read().decode())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def metrics_after(
+    url: str, before: dict[str, float] | None, generated_tokens: int, timeout_s: float = 2.0
+) -> dict[str, float] | None:
+    """The server's samples after a level (:func:`server_metrics`), read again for at most
+    ``timeout_s`` until its generated-token counter has grown since ``before`` by at least the
+    ``generated_tokens`` the clients received (the engine thread counts a step's tokens just
+    after pushing them); the last read when it has not, or when there is nothing to compare."""
+    name = ENGINE_COUNTERS["engine_generated_tokens"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = server_metrics(url)
+        if after is None or before is None or name not in after or name not in before:
+            return after
+        if after[name] - before[name] >= generated_tokens or time.monotonic() > deadline:
+            return after
+        time.sleep(0.05)
+
+
+def engine_deltas(
+    before: dict[str, float] | None, after: dict[str, float] | None, generated_tokens: int,
+    wall_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    """A level's engine figures from the server's samples ``before`` and ``after`` it: each
+    :data:`ENGINE_COUNTERS` field is its counter's increase (tokens as int), None when a scrape
+    failed, the counter is missing or it went down (the server started again); and
+    ``served_tokens_per_s``, the decode-only served rate: ``generated_tokens`` (received by the
+    clients) over ``wall_s`` less the engine's prefill seconds (None without them, or when they
+    leave no time)."""
+    out: dict[str, Any] = {}
+    for field_name, metric in ENGINE_COUNTERS.items():
+        a = None if before is None else before.get(metric)
+        b = None if after is None else after.get(metric)
+        delta = None if a is None or b is None or b < a else b - a
+        if delta is not None and field_name.endswith("_tokens"):
+            delta = round(delta)
+        out[field_name] = delta
+    prefill = out["engine_prefill_s"]
+    decode_wall = None if prefill is None else wall_s - prefill
+    out["served_tokens_per_s"] = (
+        generated_tokens / decode_wall if decode_wall is not None and decode_wall > 0 else None
+    )
+    return out
+
+
 def server_idle(url: str, timeout_s: float = 60.0) -> bool | None:
     """Wait until the server at ``url`` runs and queues no request (its ``/metrics`` gauges),
     at most ``timeout_s``: True when idle, False when still busy, None when it has no such
     gauges."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            with _OPENER.open(f"{url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
+        samples = server_metrics(url)
+        if samples is None:
             return None
-        gauges = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("herald_requests_running", "herald_requests_waiting"):
-                gauges[name] = float(value)
+        names = ("herald_requests_running", "herald_requests_waiting")
+        gauges = {n: samples[n] for n in names if n in samples}
         if len(gauges) < 2:
             return None
         if not any(gauges.values()):

@@ -1,6 +1,11 @@
 """The records of ``herald bench serve`` (``OUT/serve_bench.jsonl``) and the README built from
 them: one section per run, one table row per load level. ``python -m herald.bench.serve_report
-DIR`` rebuilds ``DIR/README.md`` (after records from several machines were appended there)."""
+DIR`` rebuilds ``DIR/README.md`` (after records from several machines were appended there).
+
+Records of a run: ``kind: level`` (one per load level), ``kind: throughput_point`` (the
+throughput benchmark's figure of a level, with ``--throughput-point``) and, once the run has
+ended, one ``kind: summary`` whose ``rows`` set each level's served rate beside that figure
+(:func:`comparison`)."""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ JSONL_NAME = "serve_bench.jsonl"
 
 COLUMNS = (
     "mode", "prompt tokens", "concurrency", "requests done / failed / cancelled", "wall s",
-    "generated tok/s", "prompt tok/s", "first chunk p50 / p90 / p99 s",
-    "between chunks p50 / p90 / p99 s", "latency p50 / p90 / p99 s", "throughput bench tok/s",
+    "generated tok/s", "engine prefill s", "served tok/s", "prompt tok/s",
+    "first chunk p50 / p90 / p99 s", "between chunks p50 / p90 / p99 s",
+    "latency p50 / p90 / p99 s", "throughput bench tok/s", "served / bench",
 )  # fmt: skip
 
 
@@ -26,8 +32,9 @@ def load_records(out: Path) -> list[dict[str, Any]]:
 
 
 def group_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ``{"head", "levels", "points"}`` per run (``run_id``) in order of appearance; a run's
-    head is the last ``kind: run`` line before its first record."""
+    """One ``{"head", "levels", "points", "summary"}`` per run (``run_id``) in order of
+    appearance; a run's head is the last ``kind: run`` line before its first record, its summary
+    its last ``kind: summary`` record (None before the run ended)."""
     runs: dict[str, dict[str, Any]] = {}
     head: dict[str, Any] | None = None
     for r in records:
@@ -36,9 +43,48 @@ def group_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if r.get("bench") != "serve" or "run_id" not in r:
             continue
-        run = runs.setdefault(r["run_id"], {"head": head, "levels": [], "points": []})
-        run["levels" if r.get("kind") == "level" else "points"].append(r)
+        new: dict[str, Any] = {"head": head, "levels": [], "points": [], "summary": None}
+        run = runs.setdefault(r["run_id"], new)
+        if r.get("kind") == "summary":
+            run["summary"] = r
+        else:
+            run["levels" if r.get("kind") == "level" else "points"].append(r)
     return list(runs.values())
+
+
+def _point(lv: dict[str, Any], points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The throughput point of level ``lv`` (same prompt tokens and concurrency), if any."""
+    return next((p for p in points if p["prompt_tokens"] == lv["prompt_tokens"]
+                 and p["concurrency"] == lv["concurrency"]), None)  # fmt: skip
+
+
+def _ratio(served: float | None, bench: float | None) -> float | None:
+    return served / bench if served is not None and bench else None
+
+
+def comparison(levels: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per level: the served rates beside the throughput benchmark's, to re-check the
+    comparison from the records. ``context``: prompt tokens + max_tokens (the throughput
+    point's ``--context`` is the prompt tokens);
+    ``served_tokens_per_s``: the level's decode-only served rate (engine prefill seconds taken
+    out of its wall time), ``generated_tokens_per_s`` the end-to-end one; ``bench_tokens_per_s``:
+    the point's decode tok/s (None without an ok point); ``served_over_bench`` their ratio."""
+    rows = []
+    for lv in levels:
+        point = _point(lv, points)
+        bench = point.get("decode_tokens_per_s") if point and point["status"] == "ok" else None
+        served = lv.get("served_tokens_per_s")
+        rows.append({
+            "device": lv.get("device"), "mode": lv["mode"], "kv_budget": lv.get("kv_budget"),
+            "steps": lv.get("steps"), "prompt_tokens": lv["prompt_tokens"],
+            "max_tokens": lv["max_tokens"], "context": lv["prompt_tokens"] + lv["max_tokens"],
+            "concurrency": lv["concurrency"], "wall_s": lv["wall_s"],
+            "engine_prefill_s": lv.get("engine_prefill_s"),
+            "generated_tokens_per_s": lv["generated_tokens_per_s"],
+            "served_tokens_per_s": served, "bench_tokens_per_s": bench,
+            "served_over_bench": _ratio(served, bench),
+        })  # fmt: skip
+    return rows
 
 
 def _s(x: float | None, digits: int = 3) -> str:
@@ -50,23 +96,26 @@ def _pcts(d: dict[str, float | None]) -> str:
 
 
 def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
-    point = next((p for p in points if p["prompt_tokens"] == lv["prompt_tokens"]
-                  and p["concurrency"] == lv["concurrency"]), None)  # fmt: skip
+    point = _point(lv, points)
+    bench = None
     if point is None:
         tp = "-"
     elif point["status"] == "ok":
-        tp = f"{point['decode_tokens_per_s']:.1f}"
+        bench = point["decode_tokens_per_s"]
+        tp = f"{bench:.1f}"
     else:
         tp = str(point["status"])
+    served = lv.get("served_tokens_per_s")
     mode = (
         lv["mode"] if lv.get("kv_budget") in (None, 1.0) else f"{lv['mode']} ({lv['kv_budget']:g})"
     )
     cells = [
         mode, str(lv["prompt_tokens"]), str(lv["concurrency"]),
         f"{lv['completed']} / {lv['failed']} / {lv['cancelled']}", _s(lv["wall_s"], 2),
-        _s(lv["generated_tokens_per_s"], 1), _s(lv["prompt_tokens_per_s"], 1),
-        _pcts(lv["time_to_first_chunk_s"]), _pcts(lv["time_between_chunks_s"]),
-        _pcts(lv["latency_s"]), tp,
+        _s(lv["generated_tokens_per_s"], 1), _s(lv.get("engine_prefill_s"), 2), _s(served, 1),
+        _s(lv["prompt_tokens_per_s"], 1), _pcts(lv["time_to_first_chunk_s"]),
+        _pcts(lv["time_between_chunks_s"]), _pcts(lv["latency_s"]), tp,
+        _s(_ratio(served, bench), 2),
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
@@ -119,16 +168,21 @@ End-to-end load on a real `herald serve` over loopback, through the official `op
 streaming completions of real text (the local Python standard library's sources, cut to exactly
 the prompt length in the model's tokens), one load level per concurrency, each with a bounded
 number of requests and a hard time limit after which the rest are cancelled. Generated tok/s:
-every token received (cancelled requests' too) over the level's wall time; prompt tok/s: the
-prompts whose first chunk arrived, over the same time. First chunk: request sent to its first
-chunk with tokens (the first committed block, prefill included); between chunks: from one chunk
-to the next (one per block); latency: request to its last chunk, completed requests only. The
-client runs in the server's process. Throughput bench tok/s: `herald bench throughput`'s point
-for the same model, mode, steps and kv_pad at context = prompt tokens and batch = concurrency
-(all requests admitted at once, synthetic prefill, decode only, no HTTP), measured in the same
-process once the server had stopped; '-' where it was not asked for (`--throughput-point`).
-Records: `serve_bench.jsonl` (one line per level, after a line naming the machine, code and
-command).
+every token received (cancelled requests' too) over the level's wall time, end to end; engine
+prefill s: the seconds the server's engine spent prefilling prompts during the level (its
+`/metrics` counters read before and after the level, '-' for a server without them); served
+tok/s: the same generated tokens over the wall time less that prefill time (the decode-only
+served rate); prompt tok/s: the prompts whose first chunk arrived, over the wall time. First
+chunk: request sent to its first chunk with tokens (the first committed block, prefill
+included); between chunks: from one chunk to the next (one per block); latency: request to its
+last chunk, completed requests only. The client runs in the server's process. Throughput bench
+tok/s: `herald bench throughput`'s point for the same model, mode, steps and kv_pad at context =
+prompt tokens and batch = concurrency (all requests admitted at once, synthetic prefill, decode
+only, no HTTP), measured in the same process once the server had stopped; '-' where it was not
+asked for (`--throughput-point`). Served / bench: served tok/s over throughput bench tok/s.
+Records: `serve_bench.jsonl` (a line naming the machine, code and command, one line per level,
+one per throughput point, then a summary whose rows set each level's served tok/s beside its
+throughput bench tok/s).
 """
 
 

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 from herald.bench.common import append_jsonl
-from herald.bench.serve_client import LoadSettings, run_level, server_idle, summarize
+from herald.bench.serve_client import (
+    LoadSettings,
+    engine_deltas,
+    metrics_after,
+    run_level,
+    server_idle,
+    server_metrics,
+    summarize,
+)
 from herald.bench.serve_prompts import Prompt
 from herald.bench.serve_report import JSONL_NAME, write_readme
 from herald.bench.throughput_records import append_record, log
@@ -167,7 +175,11 @@ def _throughput_command(plan: Plan, prompt_tokens: int) -> str | None:
 
 
 def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> int:
-    """Every level, one record each as it ends; the number of requests that failed."""
+    """Every level, one record each as it ends; the number of requests that failed. The
+    server's ``/metrics`` is read just before a level and again once the server is idle after it
+    (:func:`~herald.bench.serve_client.metrics_after`): the record's engine figures
+    (:func:`~herald.bench.serve_client.engine_deltas`) are the increases between the two (None
+    where the server has no such counters)."""
     a, failed = plan.args, 0
     settings = _settings(plan, head["served_model"])
     for p in a.prompt_tokens:
@@ -181,10 +193,15 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
             level = prompts[: plan.requests(c)]
             log(f"level start: {head['mode']}, {p} prompt tokens, concurrency {c}, "
                 f"{len(level)} requests")  # fmt: skip
+            before = server_metrics(url)
             outcomes, wall = asyncio.run(run_level(url, [q.token_ids for q in level], c, settings))
             s = summarize(outcomes, wall, p)
-            rec = {**head, "prompt_tokens": p, "concurrency": c, "requests": len(level), **s,
-                   "server_idle_after": server_idle(url), "load_avg_1min": os.getloadavg()[0],
+            idle = server_idle(url)
+            after = metrics_after(url, before, s["generated_tokens"])
+            engine = engine_deltas(before, after, s["generated_tokens"], wall)
+            rec = {**head, "prompt_tokens": p, "context": p + a.max_tokens, "concurrency": c,
+                   "requests": len(level), **s, **engine, "server_idle_after": idle,
+                   "load_avg_1min": os.getloadavg()[0],
                    "prompts": {**plan.source, "files": [q.files for q in level]},
                    "throughput_command": _throughput_command(plan, p)}  # fmt: skip
             records.add(rec)
@@ -192,7 +209,9 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
             failed += s["failed"]
             log(f"level done: {s['completed']} completed, {s['failed']} failed, "
                 f"{s['cancelled']} cancelled in {wall:.2f} s; "
-                f"{s['generated_tokens_per_s'] or 0:.1f} generated tok/s, "
+                f"{s['generated_tokens_per_s'] or 0:.1f} generated tok/s "
+                f"({engine['served_tokens_per_s'] or 0:.1f} without the engine's "
+                f"{engine['engine_prefill_s'] or 0:.2f} s of prefill), "
                 f"{s['prompt_tokens_per_s'] or 0:.1f} prompt tok/s")  # fmt: skip
     return failed
 

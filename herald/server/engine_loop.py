@@ -17,6 +17,12 @@ Failures: a step that raises has already failed the requests it ran or was prefi
 (``FINISHED_ERROR``, their KV freed); the loop reports the error to them and goes on.
 ``max_step_failures`` failed steps in a row mark the engine dead: every request fails, new ones
 get :class:`EngineDeadError`, ``/health`` says 503.
+
+Metrics (when given a :class:`ServerMetrics`): after each step, the step's generated tokens and
+the engine's new prompt tokens and prefill / decode seconds (deltas of ``engine.stats``; a stats
+object replaced or reset counts again from zero), the trailing generated and prompt rates; per
+request, at each push of its tokens, time to first token or time since its previous push, and at
+a stop or length finish its end-to-end latency, all from its submit (host clock of this process).
 """
 
 from __future__ import annotations
@@ -34,12 +40,31 @@ from typing import Any
 from herald.config import SamplingParams
 from herald.engine.base import Engine
 from herald.engine.request import Request, RequestStatus
+from herald.engine.stats import BlockTiming, EngineStats
 from herald.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_SECONDS = 10.0
-"""Generated tokens/s on ``/metrics`` is measured over this trailing window."""
+"""Generated and prompt tokens/s on ``/metrics`` are measured over this trailing window."""
+
+
+def window_rate(recent: deque[tuple[float, int]], now: float, min_span: float = 1e-6) -> float:
+    """Tokens per second of ``recent`` ((step end time, tokens) in time order) over the trailing
+    :data:`RATE_WINDOW_SECONDS`: the tokens of the steps that ended in the window over the time
+    since the first of them ended, at least ``min_span`` seconds; 0 once no step ended in the
+    window. Entries older than the window are dropped from ``recent``."""
+    while recent and now - recent[0][0] > RATE_WINDOW_SECONDS:
+        recent.popleft()
+    if not recent:
+        return 0.0
+    span = max(now - recent[0][0], min_span, 1e-6)
+    return sum(n for _, n in recent) / span
+
+
+def _added(new: float, old: float) -> float:
+    """What a counter gained from ``old`` to ``new``: all of ``new`` when it went down (reset)."""
+    return new - old if new >= old else new
 
 
 def _scores(
@@ -57,13 +82,17 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(eq=False)  # identity: handles are found in lists by ``is``
 class Handle:
-    """One submitted request as the HTTP side sees it."""
+    """One submitted request as the HTTP side sees it. ``submitted``: when it was submitted,
+    ``pushed``: when its tokens were last pushed (None before the first), ``time.perf_counter``
+    seconds."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     sent: int = 0  # output tokens already pushed
     scores: bool = False  # also push each block's logprobs
+    submitted: float = field(default_factory=time.perf_counter)
+    pushed: float | None = None
 
     def _push(self, item: tuple[str, Any]) -> None:
         # RuntimeError: the event loop is closed, nobody is listening any more.
@@ -96,10 +125,13 @@ class EngineLoop:
         self.num_aborted = 0  # requests that ended aborted (engine thread writes)
         self.dead: BaseException | None = None  # set once the engine is declared dead
         self._failures = 0
-        self._blocks_seen = 0
+        self._stats = engine.stats  # the stats object the counts below were read from
+        self._blocks_seen = self._stats.blocks_dropped + len(self._stats.blocks)
+        self._seen = self._totals(self._stats)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="herald-engine", daemon=True)
-        self._recent: deque[tuple[float, int]] = deque()
+        self._recent: deque[tuple[float, int]] = deque()  # (step end, generated tokens)
+        self._recent_prompt: deque[tuple[float, int]] = deque()  # (step end, prompt tokens)
 
     # -- any thread -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -138,9 +170,10 @@ class EngineLoop:
         (queue full) or :class:`EngineDeadError`."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine failed and stopped: {self.dead}")
+        submitted = time.perf_counter()
         with self._lock:
             request = self.engine.add_request(prompt_ids, params)
-            handle = Handle(request, loop, scores=scores)
+            handle = Handle(request, loop, scores=scores, submitted=submitted)
             self._live.append(handle)
         self._wake.set()
         return handle
@@ -184,8 +217,11 @@ class EngineLoop:
             h._push(("error", exc))
 
     def _publish(self, step_seconds: float | None) -> None:
-        """Push new blocks and finishes; update the metrics."""
+        """Push new blocks and finishes; update the metrics (the step's when ``step_seconds``
+        is given, the per-request latencies at every push and finish)."""
         new_tokens = 0
+        m = self.metrics
+        now = time.perf_counter()
         with self._lock:
             live = list(self._live)
         ended: list[Handle] = []
@@ -201,6 +237,9 @@ class EngineLoop:
                     h._push(("logprobs", _scores(req, h.sent, end)))
                 h._push(("tokens", req.output_ids[h.sent : end]))
                 new_tokens += end - h.sent
+                if m is not None:
+                    m.observe_push(now - h.submitted, None if h.pushed is None else now - h.pushed)
+                h.pushed = now
             h.sent = end
             if status == RequestStatus.FINISHED_ERROR:
                 h._push(("error", req.error))
@@ -209,6 +248,8 @@ class EngineLoop:
                 h._push(("done", "abort"))
             elif status.finished:
                 h._push(("done", req.finish_reason))
+                if m is not None:
+                    m.observe_finished(now - h.submitted)
             else:
                 continue
             ended.append(h)
@@ -219,33 +260,57 @@ class EngineLoop:
             self._observe(step_seconds, new_tokens)
 
     def generation_rate(self, now: float, min_span: float = 1e-6) -> float:
-        """Generated tokens per second over the trailing :data:`RATE_WINDOW_SECONDS` (engine
-        thread): the tokens of the steps that ended in the window over the time since the first
-        of them ended, at least ``min_span`` seconds; 0 once no step ended in the window."""
-        while self._recent and now - self._recent[0][0] > RATE_WINDOW_SECONDS:
-            self._recent.popleft()
-        if not self._recent:
-            return 0.0
-        span = max(now - self._recent[0][0], min_span, 1e-6)
-        return sum(n for _, n in self._recent) / span
+        """Generated tokens per second over the trailing window (engine thread):
+        :func:`window_rate` of the steps' generated tokens."""
+        return window_rate(self._recent, now, min_span)
+
+    def prompt_rate(self, now: float, min_span: float = 1e-6) -> float:
+        """Prompt tokens prefilled per second over the trailing window (engine thread):
+        :func:`window_rate` of the steps' prompt tokens."""
+        return window_rate(self._recent_prompt, now, min_span)
 
     def _observe_idle(self) -> None:
-        """No step ran: the rate gauge still decays over the window."""
+        """No step ran: the rate gauges still decay over the window."""
         if self.metrics is not None:
-            self.metrics.tokens_per_second.set(self.generation_rate(time.perf_counter()))
+            now = time.perf_counter()
+            self.metrics.tokens_per_second.set(self.generation_rate(now))
+            self.metrics.prefill_tokens_per_second.set(self.prompt_rate(now))
+
+    @staticmethod
+    def _totals(st: EngineStats) -> tuple[int, float, float]:
+        return st.num_prefill_tokens, st.prefill_seconds, st.decode_seconds
+
+    def _stats_deltas(self) -> tuple[list[BlockTiming], tuple[int, float, float]]:
+        """The blocks recorded and the (prompt tokens, prefill s, decode s) added to
+        ``engine.stats`` since the last call. A stats object other than the last one seen (the
+        engine's counters started again) counts from zero, and so does a count that went down."""
+        st = self.engine.stats
+        if st is not self._stats:
+            self._stats, self._blocks_seen, self._seen = st, 0, (0, 0.0, 0.0)
+        total_blocks = st.blocks_dropped + len(st.blocks)
+        if total_blocks < self._blocks_seen:
+            self._blocks_seen = 0
+        new_blocks = st.blocks[max(0, self._blocks_seen - st.blocks_dropped) :]
+        self._blocks_seen = total_blocks
+        (tokens, prefill, decode), (tokens0, prefill0, decode0) = self._totals(st), self._seen
+        self._seen = (tokens, prefill, decode)
+        added = (int(_added(tokens, tokens0)), _added(prefill, prefill0), _added(decode, decode0))
+        return new_blocks, added
 
     def _observe(self, step_seconds: float, new_tokens: int) -> None:
         now = time.perf_counter()
+        new_blocks, (prompt_tokens, prefill_s, decode_s) = self._stats_deltas()
         self._recent.append((now, new_tokens))
+        self._recent_prompt.append((now, prompt_tokens))
         rate = self.generation_rate(now, min_span=step_seconds)
-        st = self.engine.stats
-        new_blocks = st.blocks[max(0, self._blocks_seen - st.blocks_dropped) :]
-        self._blocks_seen = st.blocks_dropped + len(st.blocks)
+        prompt_rate = self.prompt_rate(now, min_span=step_seconds)
         if self.metrics is None:
             return
         eng = self.engine
         self.metrics.observe_step(
-            step_seconds, new_tokens, rate, eng.num_running, eng.num_waiting, eng.num_running
-        )
+            step_seconds, new_tokens, rate, eng.num_running, eng.num_waiting, eng.num_running,
+            prompt_tokens=prompt_tokens, prompt_rate=prompt_rate, prefill_seconds=prefill_s,
+            decode_seconds=decode_s,
+        )  # fmt: skip
         for b in new_blocks:
             self.metrics.observe_block(b.main, b.retrieval, b.stall)

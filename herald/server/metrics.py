@@ -1,9 +1,12 @@
 """ServerMetrics: the Prometheus metrics of one server, in their own registry.
 
 Updated by the engine thread after every step (``prometheus_client`` is thread-safe): requests,
-batch size, tokens, step time and, in the offloading modes, each block's main stream, retrieval
-stream and block-boundary stall (from ``EngineStats.blocks``). ``GET /metrics`` sets the KV
-memory gauges (:meth:`herald.engine.base.Engine.usage`) and renders Prometheus text.
+batch size, generated and prompt tokens and their rates, the engine's prefill and decode seconds
+(from ``EngineStats``), step time and, in the offloading modes, each block's main stream,
+retrieval stream and block-boundary stall (from ``EngineStats.blocks``); per request, as its
+blocks are pushed to it: time to first token, time between its blocks, end-to-end latency.
+``GET /metrics`` sets the KV memory gauges (:meth:`herald.engine.base.Engine.usage`) and renders
+Prometheus text. Counters are rendered with a ``_total`` suffix (``herald_prompt_tokens_total``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
 
 _BLOCK_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 60.0, 120.0)  # fmt: skip
+"""Per-request latencies: 1 ms to 120 s (above: the +Inf bucket)."""
 
 
 class ServerMetrics:
-    """Requests, batch size, tokens, step and block timings, KV pool usage (CPU and GPU)."""
+    """Requests, batch size, tokens, prefill / decode time, step, block and per-request
+    timings, KV pool usage (CPU and GPU)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -35,6 +42,7 @@ class ServerMetrics:
             "Generated tokens per second over the last 10 s",
             registry=r,
         )
+        self._add_prefill_and_request_metrics(r)
         self.step_seconds = Histogram(
             "herald_engine_step_seconds",
             "Time of one engine step (admission + one batched forward)",
@@ -78,16 +86,68 @@ class ServerMetrics:
             "herald_gpu_kv_bytes", "Bytes of KV memory allocated on the model device", registry=r
         )
 
+    def _add_prefill_and_request_metrics(self, r: CollectorRegistry) -> None:
+        """Prompt tokens and their rate, engine prefill / decode seconds, per-request latencies."""
+        self.prompt_tokens = Counter("herald_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefill_tokens_per_second = Gauge(
+            "herald_prefill_tokens_per_second",
+            "Prompt tokens prefilled per second over the last 10 s",
+            registry=r,
+        )
+        self.prefill_seconds = Counter(
+            "herald_prefill_seconds", "Engine seconds spent prefilling prompts", registry=r
+        )
+        self.decode_seconds = Counter(
+            "herald_decode_seconds", "Engine seconds spent in decode forwards", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "herald_time_to_first_token_seconds",
+            "Per request: submitted to its first tokens pushed (its first block)",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_block = Histogram(
+            "herald_time_per_output_block_seconds",
+            "Per request: time between two consecutive pushes of its blocks",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "herald_e2e_request_latency_seconds",
+            "Per request: submitted to finished (stop or length; not errors or aborts)",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+
     def observe_step(
         self, seconds: float, new_tokens: int, rate: float, running: int, waiting: int,
-        batch_size: int,
+        batch_size: int, *, prompt_tokens: int, prompt_rate: float, prefill_seconds: float,
+        decode_seconds: float,
     ) -> None:  # fmt: skip
+        """One engine step: its time, the tokens it generated and prefilled, the engine seconds
+        it added to prefill and decode (all >= 0) and the trailing rates (tokens/s)."""
         self.step_seconds.observe(seconds)
         self.generated.inc(new_tokens)
         self.tokens_per_second.set(rate)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefill_tokens_per_second.set(prompt_rate)
+        self.prefill_seconds.inc(prefill_seconds)
+        self.decode_seconds.inc(decode_seconds)
         self.running.set(running)
         self.waiting.set(waiting)
         self.batch_size.set(batch_size)
+
+    def observe_push(self, since_submit: float, since_last_push: float | None) -> None:
+        """A request's tokens were pushed: ``since_last_push`` None for its first push (time to
+        first token ``since_submit``), else the time since its previous one (seconds)."""
+        if since_last_push is None:
+            self.time_to_first_token.observe(since_submit)
+        else:
+            self.time_per_output_block.observe(since_last_push)
+
+    def observe_finished(self, since_submit: float) -> None:
+        """A request finished by stop or length ``since_submit`` seconds after its submit."""
+        self.e2e_request_latency.observe(since_submit)
 
     def observe_block(self, main: float, retrieval: float, stall: float) -> None:
         """One completed block's stream timings (seconds)."""

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from herald.bench import serve
+from herald.bench.serve_client import engine_deltas, parse_metrics
 from herald.bench.serve_prompts import StdlibPrompts
+from herald.bench.serve_report import comparison, group_runs, load_records, write_readme
 from herald.bench.serve_report import main as report_main
 from herald.cli import main as cli_main
 from herald.models.loader import bundled_checkpoint, load_config
@@ -42,7 +44,7 @@ def test_two_levels_of_stdlib_prompts(tmp_path: Path, capsys: pytest.CaptureFixt
     assert serve.main([*argv, "--requests", "3", *SMALL, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "level start" in out and "level done" in out and "| dense | 96 | 3 |" in out
-    head, *levels = _records(tmp_path)
+    head, *levels, summary = _records(tmp_path)
     assert head["kind"] == "run" and head["command"]
     assert head["machine"]["cpu_count"] and head["code"]["source_sha256"]
     assert [lv["concurrency"] for lv in levels] == [1, 3]
@@ -56,9 +58,24 @@ def test_two_levels_of_stdlib_prompts(tmp_path: Path, capsys: pytest.CaptureFixt
         assert all(_ordered(lv[k]) for k in STATS), {k: lv[k] for k in STATS}
         assert lv["server_idle_after"] is True
         assert lv["throughput_command"].startswith("herald bench throughput --device cpu")
+        # the server's counters over the level: 3 prompts of 3 whole blocks each prefilled
+        assert lv["engine_prompt_tokens"] == 288 and lv["engine_generated_tokens"] == 192
+        assert lv["engine_prefill_s"] > 0 and lv["engine_decode_s"] > 0
+        assert lv["served_tokens_per_s"] > lv["generated_tokens_per_s"]
+        assert lv["context"] == 96 + 64
+    assert summary["kind"] == "summary" and summary["run_id"] == levels[0]["run_id"]
+    assert [r["concurrency"] for r in summary["rows"]] == [1, 3]
+    for row, lv in zip(summary["rows"], levels, strict=True):
+        assert (row["device"], row["mode"], row["context"]) == ("cpu", "dense", 160)
+        assert row["served_tokens_per_s"] == lv["served_tokens_per_s"]
+        assert row["bench_tokens_per_s"] is None and row["served_over_bench"] is None
     _check_prompts(levels[0]["prompts"], 96)
     readme = (tmp_path / "README.md").read_text()
     assert "| dense | 96 | 1 | 3 / 0 / 0 |" in readme and "| dense | 96 | 3 | 3 / 0 / 0 |" in readme
+    rows = [r for r in readme.splitlines() if r.startswith("| dense | 96 |")]
+    assert all(r.endswith("| - | - |") for r in rows)  # no throughput point: no ratio
+    for row, lv in zip(rows, levels, strict=True):
+        assert f"| {lv['served_tokens_per_s']:.1f} |" in row
     assert "Throughput figure beside it (not measured in this run): `herald bench" in readme
 
 
@@ -84,7 +101,7 @@ def test_the_throughput_point_beside_each_level(mode: str, variant: str, tmp_pat
     argv = ["--model", "tiny-sdar", "--mode", mode, "--prompt-tokens", "64", "--concurrency", "2"]
     argv += ["--requests", "2", *SMALL, "--throughput-point", "--out", str(tmp_path)]
     assert serve.main(argv) == 0
-    _, level, point = _records(tmp_path)
+    _, level, point, summary = _records(tmp_path)
     assert level["kind"] == "level" and level["completed"] == 2 and level["mode"] == mode
     assert point["kind"] == "throughput_point" and point["run_id"] == level["run_id"]
     assert (point["prompt_tokens"], point["concurrency"], point["steps"]) == (64, 2, 2)
@@ -92,8 +109,12 @@ def test_the_throughput_point_beside_each_level(mode: str, variant: str, tmp_pat
     assert point["decode_tokens_per_s"] > 0
     assert f"--context 64 --mode {variant} " in point["command"]
     assert "--batches 2 --steps 2" in point["command"]
+    bench = point["decode_tokens_per_s"]
+    (cmp,) = summary["rows"]
+    assert cmp["bench_tokens_per_s"] == bench and cmp["concurrency"] == 2
+    assert cmp["served_over_bench"] == pytest.approx(level["served_tokens_per_s"] / bench)
     row = next(r for r in (tmp_path / "README.md").read_text().splitlines() if f"| {mode}" in r)
-    assert row.endswith(f"| {point['decode_tokens_per_s']:.1f} |")
+    assert row.endswith(f"| {bench:.1f} | {cmp['served_over_bench']:.2f} |")
     (tmp_path / "README.md").unlink()
     assert report_main([str(tmp_path)]) == 0 and row in (tmp_path / "README.md").read_text()
 
@@ -124,11 +145,94 @@ def test_a_running_server_and_the_limit_cancels(running_server: str, tmp_path: P
     argv += ["--concurrency", "2", "--requests", "4", "--max-tokens", "64", "--steps", "2"]
     argv += ["--warmup-requests", "0", "--duration-limit-s", "0.001", "--out", str(tmp_path)]
     assert serve.main(argv) == 0
-    _, level = _records(tmp_path)
+    _, level, summary = _records(tmp_path)
     assert level["url"] == running_server and level["served_model"] == "tiny-sdar"
+    assert summary["kind"] == "summary" and summary["rows"][0]["device"] is None
     assert level["completed"] + level["failed"] + level["cancelled"] == 4
     assert level["cancelled"] >= 1 and level["failed"] == 0
     assert level["server_idle_after"] is True  # the cancelled requests left the server
+
+
+_BEFORE = """# HELP herald_prefill_seconds_total Engine seconds spent prefilling prompts
+# TYPE herald_prefill_seconds_total counter
+herald_prefill_seconds_total 1.5
+herald_prefill_seconds_created 1.7e+09
+herald_decode_seconds_total 10.0
+herald_prompt_tokens_total 512.0
+herald_generated_tokens_total 1000.0
+herald_requests_total{outcome="ok"} 4.0
+herald_requests_running 0.0
+"""
+_AFTER = """herald_prefill_seconds_total 2.0
+herald_decode_seconds_total 18.0
+herald_prompt_tokens_total 1024.0
+herald_generated_tokens_total 1640.0
+herald_requests_total{outcome="ok"} 8.0
+herald_requests_running 0.0
+"""
+
+
+def test_engine_figures_are_the_counters_increases_over_a_level() -> None:
+    before, after = parse_metrics(_BEFORE), parse_metrics(_AFTER)
+    assert before['herald_requests_total{outcome="ok"}'] == 4.0
+    assert before["herald_prefill_seconds_total"] == 1.5 and "# HELP" not in str(before)
+    got = engine_deltas(before, after, generated_tokens=640, wall_s=10.5)
+    assert got == {
+        "engine_prefill_s": 0.5, "engine_decode_s": 8.0, "engine_prompt_tokens": 512,
+        "engine_generated_tokens": 640, "served_tokens_per_s": 640 / 10.0,
+    }  # fmt: skip
+    nothing = dict.fromkeys(got)
+    assert engine_deltas(None, after, 640, 10.5) == nothing  # a scrape failed
+    old = parse_metrics("herald_requests_running 0.0\n")  # a server without these counters
+    assert engine_deltas(old, old, 640, 10.5) == nothing
+    restarted = engine_deltas(after, before, 640, 10.5)  # counters went down: no increase
+    assert restarted["engine_decode_s"] is None and restarted["served_tokens_per_s"] is None
+    assert engine_deltas(before, after, 640, 0.5)["served_tokens_per_s"] is None  # no time left
+
+
+def _level(c: int, **extra: Any) -> dict[str, Any]:
+    pcts = {"p50": 0.1, "p90": 0.2, "p99": 0.3}
+    return {
+        "bench": "serve", "run_id": "r1", "kind": "level", "time_utc": "2025-01-01T00:00:00",
+        "model": "m", "served_model": "m", "mode": "herald", "kv_budget": 1.0, "device": "cuda",
+        "dtype": "bfloat16", "url": None, "server": {}, "max_tokens": 64, "steps": 4,
+        "ignore_eos": True, "duration_limit_s": 120.0, "prompt_tokens": 256, "concurrency": c,
+        "requests": 2 * c, "completed": 2 * c, "failed": 0, "cancelled": 0, "wall_s": 10.5,
+        "generated_tokens_per_s": 60.0, "prompt_tokens_per_s": 100.0,
+        "time_to_first_chunk_s": pcts, "time_between_chunks_s": pcts, "latency_s": pcts,
+        **extra,
+    }  # fmt: skip
+
+
+def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: Path) -> None:
+    """From records alone: a level with the engine figures and an ok point gets its served
+    tok/s, prefill seconds and served / bench; one without them (an older record, a server
+    without the counters) gets '-'."""
+    new = _level(4, engine_prefill_s=0.5, served_tokens_per_s=64.0)
+    point = {"bench": "serve", "run_id": "r1", "kind": "throughput_point", "prompt_tokens": 256,
+             "concurrency": 4, "status": "ok", "decode_tokens_per_s": 80.0}  # fmt: skip
+    records = [new, _level(1), point]
+    summary: dict[str, Any] = {"bench": "serve", "run_id": "r1", "kind": "summary"}
+    summary["rows"] = comparison(records[:2], [point])
+    (tmp_path / "serve_bench.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [*records, summary])
+    )
+    (run,) = group_runs(load_records(tmp_path))
+    assert len(run["levels"]) == 2 and run["points"] == [point]
+    assert run["summary"]["rows"][0] == {
+        "device": "cuda", "mode": "herald", "kv_budget": 1.0, "steps": 4, "prompt_tokens": 256,
+        "max_tokens": 64, "context": 320, "concurrency": 4, "wall_s": 10.5,
+        "engine_prefill_s": 0.5, "generated_tokens_per_s": 60.0, "served_tokens_per_s": 64.0,
+        "bench_tokens_per_s": 80.0, "served_over_bench": 0.8,
+    }  # fmt: skip
+    lines = write_readme(tmp_path).read_text().splitlines()
+    head = next(ln for ln in lines if ln.startswith("| mode |"))
+    assert "| generated tok/s | engine prefill s | served tok/s |" in head
+    assert head.endswith("| throughput bench tok/s | served / bench |")
+    row4 = next(ln for ln in lines if ln.startswith("| herald | 256 | 4 |"))
+    assert "| 60.0 | 0.50 | 64.0 |" in row4 and row4.endswith("| 80.0 | 0.80 |")
+    row1 = next(ln for ln in lines if ln.startswith("| herald | 256 | 1 |"))
+    assert "| 60.0 | - | - |" in row1 and row1.endswith("| - | - |")
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,11 @@ from helpers import make_engine
 from herald.config import OffloadConfig, SamplingParams
 from herald.engine.request import RequestStatus
 from herald.engine.scheduler import QueueFullError
+from herald.engine.stats import EngineStats
 from herald.kv.manager import RequestTooLarge
 from herald.models.loader import load_model
 from herald.server.engine_loop import EngineDeadError, EngineLoop
+from herald.server.metrics import ServerMetrics
 
 PARAMS = SamplingParams(max_new_tokens=32, num_denoise_steps=2)
 
@@ -177,3 +179,64 @@ def test_generation_rate_covers_the_window_and_decays_to_zero_when_idle(tiny) ->
     assert loop.generation_rate(100.5, min_span=2.0) == pytest.approx(100 / 2.0)
     assert loop.generation_rate(111.0) == pytest.approx(60 / 9.0)  # the first left the window
     assert loop.generation_rate(113.0) == 0.0  # idle for longer than the window
+    loop._recent_prompt.extend([(100.0, 64), (102.0, 0)])  # the prompt rate: the same window
+    assert loop.prompt_rate(104.0) == pytest.approx(64 / 4.0)
+    assert loop.prompt_rate(111.0) == 0.0  # the prefill left the window; decode steps only
+    assert loop.prompt_rate(113.0) == 0.0
+
+
+def _value(m: ServerMetrics, name: str) -> float:
+    v = m.registry.get_sample_value(name)
+    assert v is not None, name
+    return v
+
+
+def test_metrics_count_prompt_tokens_engine_seconds_and_request_latencies(tiny, aloop) -> None:
+    """Driven step by step: the prompt tokens and prefill / decode seconds are the engine's
+    (what it counted before the loop, or before its stats were replaced, is not counted twice);
+    each request observes one time to first token, one gap per later block and, unless it was
+    aborted, one end-to-end latency."""
+    model, config, _ = tiny
+    engine = make_engine(model, config, None, max_batch_size=2, max_seq_len=256)
+    params = SamplingParams(max_new_tokens=64, num_denoise_steps=2, ignore_eos=True)
+    engine.generate([[7] * 40], params)  # counted by the engine before the loop: not by it
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, metrics=metrics)
+
+    def run(prompts: list[int]) -> list[Any]:
+        hs = [loop.submit([7] * n, params, aloop) for n in prompts]
+        while engine.has_unfinished():
+            engine.step()
+            loop._publish(0.01)
+        return hs
+
+    before = engine.stats.num_prefill_tokens
+    hs = run([40, 72])  # B = 32: 32 + 64 prompt tokens prefilled (the tails in the first block)
+    assert all(h.request.status == RequestStatus.FINISHED_LENGTH for h in hs)
+    assert engine.stats.num_prefill_tokens - before == 96
+    assert _value(metrics, "herald_prompt_tokens_total") == 96
+    assert _value(metrics, "herald_generated_tokens_total") == 128
+    assert _value(metrics, "herald_prefill_seconds_total") > 0
+    assert _value(metrics, "herald_decode_seconds_total") > 0
+    assert _value(metrics, "herald_prefill_tokens_per_second") > 0
+    assert _value(metrics, "herald_time_to_first_token_seconds_count") == 2
+    assert _value(metrics, "herald_time_to_first_token_seconds_sum") > 0
+    # a prompt's tail shares its first block: 24 + 32 + 8 tokens, three pushes, two gaps each
+    assert _value(metrics, "herald_time_per_output_block_seconds_count") == 4
+    assert _value(metrics, "herald_e2e_request_latency_seconds_count") == 2
+    assert _value(metrics, "herald_e2e_request_latency_seconds_sum") > 0
+    decode = _value(metrics, "herald_decode_seconds_total")
+
+    engine.stats = EngineStats()  # the engine's counters start again (as after a warm-up)
+    aborted = loop.submit([7] * 10, params, aloop)
+    loop.cancel(aborted)  # still waiting: it leaves at once, no latency observed
+    # 160 prompt tokens prefilled: more than the old stats had when replaced (32 + 96), all new
+    run([170])
+    assert aborted.request.status == RequestStatus.FINISHED_ABORTED
+    assert _value(metrics, "herald_prompt_tokens_total") == 96 + 160
+    assert _value(metrics, "herald_decode_seconds_total") > decode
+    assert _value(metrics, "herald_time_to_first_token_seconds_count") == 3
+    assert _value(metrics, "herald_time_per_output_block_seconds_count") == 6  # 22 + 32 + 10
+    assert _value(metrics, "herald_e2e_request_latency_seconds_count") == 3
+    text = metrics.render().decode()
+    assert 'herald_e2e_request_latency_seconds_bucket{le="120.0"} 3.0' in text

@@ -171,7 +171,7 @@ def test_cancelled_stream_frees_its_slot(
 def test_bad_inputs_get_4xx_while_a_good_request_completes(
     server: LiveServer, offline: Offline
 ) -> None:
-    good = {"prompt": "the good one", "max_tokens": 64, "steps": 3}
+    good: dict[str, Any] = {"prompt": "the good one", "max_tokens": 64, "steps": 3}
     got: list[httpx.Response] = []
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
         t = threading.Thread(target=lambda: got.append(c.post("/v1/completions", json=good)))
@@ -356,10 +356,20 @@ def test_metrics_and_health(server: LiveServer) -> None:
         "herald_gpu_kv_slots_total",
         "herald_gpu_kv_bytes",
         "herald_cpu_kv_pool_pages_used",
+        "herald_prompt_tokens_total",
+        "herald_prefill_tokens_per_second",
+        "herald_prefill_seconds_total",
+        "herald_decode_seconds_total",
+        "herald_time_to_first_token_seconds_count",
+        "herald_time_per_output_block_seconds_count",
+        "herald_e2e_request_latency_seconds_count",
     ):
         assert name in text
-    line = next(ln for ln in text.splitlines() if ln.startswith("herald_generated_tokens_total"))
-    assert float(line.split()[-1]) > 0
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln[:1] != "#"}
+    for name in ("herald_generated_tokens_total", "herald_decode_seconds_total",
+                 "herald_time_to_first_token_seconds_count",
+                 "herald_e2e_request_latency_seconds_count"):  # fmt: skip
+        assert values[name] > 0, name
 
 
 def test_disconnected_non_streaming_client_is_aborted(
