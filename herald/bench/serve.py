@@ -63,6 +63,7 @@ from herald.bench.throughput_records import log
 from herald.cliargs import add_list, add_model_source_args, check_pool_flags, resolve_dtype
 from herald.config import OffloadConfig, resolve_device
 from herald.engines import MODES
+from herald.env import settings
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
 _SERVER_FLAGS = ("mode", "device", "dtype", *_POOL_FLAGS, "max_batch_size", "max_seq_len",
@@ -237,6 +238,8 @@ def _server_config(args: argparse.Namespace, mode: str, config: Any) -> tuple[An
     offload = _offload_config(args, mode)
     model_ctx = config.max_position_embeddings
     msl = args.max_seq_len or max(args.prompt_tokens) + args.max_tokens
+    if settings().allow_long_context:  # herald serve then serves past the model's context too
+        model_ctx = max(model_ctx, msl)
     context = min(msl, model_ctx)
     if args.max_seq_len is not None and args.max_seq_len <= model_ctx:
         _check_lengths(args, context, "--max-seq-len")
