@@ -526,3 +526,37 @@ def test_next_selection_comes_from_the_draft_whatever_the_batch_mates(max_new_to
     assert alone.steps_per_block[0] == 1  # the one mask was accepted at step 0
     assert tail_alone == tail_batched == b  # the tail is the draft, after the block's rows
     assert alone.output_ids == batched.output_ids
+
+
+@pytest.mark.parametrize("engine_mode", ["dense", "herald"])
+def test_prefill_time_is_not_also_counted_as_decode_time(monkeypatch, engine_mode):
+    """A fake clock that moves only inside prefill chunks (100 s each): every second of it is
+    prefill, none decode, also when the offloading engine's commit runs the next boundary's
+    admissions (prompts queued behind a running batch, a small prefill budget)."""
+    import time
+
+    from herald.engine.base import Engine
+
+    model, config = _model("tiny-sdar")
+    offload = None if engine_mode == "dense" else MODES["herald"]
+    eng = make_engine(
+        model, config, offload, max_batch_size=2, max_seq_len=256, max_prefill_tokens=64
+    )
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    chunks = []
+    real = type(eng)._prefill
+
+    def prefill(self: Engine, chunk) -> None:
+        clock[0] += 100.0
+        chunks.append(chunk)
+        real(self, chunk)
+
+    monkeypatch.setattr(type(eng), "_prefill", prefill)
+    try:
+        eng.generate(_prompts(config, [70, 20, 130]), SamplingParams(max_new_tokens=64))
+    finally:
+        eng.close()
+    assert len(chunks) >= 4  # the 64-token budget splits prompts over several boundaries
+    assert eng.stats.prefill_seconds == 100.0 * len(chunks)
+    assert eng.stats.decode_seconds == 0.0
