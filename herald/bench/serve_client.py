@@ -234,6 +234,23 @@ def metrics_after(
         time.sleep(0.05)
 
 
+def counter_deltas(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float] | None:
+    """The increase over a level of every ``herald_*`` counter and histogram sum / count the
+    server reports (block stream times, step times, batch rows, latencies: what a level's time
+    went to), None when a scrape failed; samples that went down are left out."""
+    if before is None or after is None:
+        return None
+    return {
+        name: after[name] - before.get(name, 0.0)
+        for name in sorted(after)
+        if name.startswith("herald_")
+        and name.endswith(("_total", "_sum", "_count"))
+        and after[name] >= before.get(name, 0.0)
+    }
+
+
 def engine_deltas(
     before: dict[str, float] | None, after: dict[str, float] | None, generated_tokens: int,
     wall_s: float,
@@ -252,6 +269,7 @@ def engine_deltas(
         if delta is not None and field_name.endswith("_tokens"):
             delta = round(delta)
         out[field_name] = delta
+    out["server_deltas"] = counter_deltas(before, after)
     prefill = out["engine_prefill_s"]
     decode_wall = None if prefill is None else wall_s - prefill
     out["served_tokens_per_s"] = (

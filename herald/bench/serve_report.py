@@ -17,7 +17,8 @@ JSONL_NAME = "serve_bench.jsonl"
 
 COLUMNS = (
     "mode", "prompt tokens", "concurrency", "requests done / failed / cancelled", "wall s",
-    "generated tok/s", "engine prefill s", "served tok/s", "prompt tok/s",
+    "generated tok/s", "engine prefill s", "engine decode s", "mean batch", "served tok/s",
+    "prompt tok/s",
     "first chunk p50 / p90 / p99 s", "between chunks p50 / p90 / p99 s",
     "latency p50 / p90 / p99 s", "throughput bench tok/s", "served / bench",
 )  # fmt: skip
@@ -95,6 +96,15 @@ def _pcts(d: dict[str, float | None]) -> str:
     return " / ".join(_s(d.get(k)) for k in ("p50", "p90", "p99"))
 
 
+def mean_batch(lv: dict[str, Any]) -> float | None:
+    """The engine's mean batch size over a level's steps (its ``server_deltas``), None
+    without them."""
+    d = lv.get("server_deltas") or {}
+    steps = d.get("herald_engine_step_seconds_count")
+    rows = d.get("herald_batch_rows_total")
+    return rows / steps if steps and rows is not None else None
+
+
 def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
     point = _point(lv, points)
     bench = None
@@ -112,7 +122,8 @@ def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
     cells = [
         mode, str(lv["prompt_tokens"]), str(lv["concurrency"]),
         f"{lv['completed']} / {lv['failed']} / {lv['cancelled']}", _s(lv["wall_s"], 2),
-        _s(lv["generated_tokens_per_s"], 1), _s(lv.get("engine_prefill_s"), 2), _s(served, 1),
+        _s(lv["generated_tokens_per_s"], 1), _s(lv.get("engine_prefill_s"), 2),
+        _s(lv.get("engine_decode_s"), 2), _s(mean_batch(lv), 1), _s(served, 1),
         _s(lv["prompt_tokens_per_s"], 1), _pcts(lv["time_to_first_chunk_s"]),
         _pcts(lv["time_between_chunks_s"]), _pcts(lv["latency_s"]), tp,
         _s(_ratio(served, bench), 2),

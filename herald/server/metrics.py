@@ -55,6 +55,12 @@ class ServerMetrics:
         self.batch_size = Gauge(
             "herald_batch_size", "Rows in the engine's batch after the last step", registry=r
         )
+        self.batch_rows = Counter(
+            "herald_batch_rows",
+            "Rows in the engine's batch after each step, summed (over herald_engine_step_seconds"
+            "_count: the mean batch size)",
+            registry=r,
+        )
         blocks = {
             "main": ("herald_block_main_stream_seconds", "Main stream time of one block"),
             "retrieval": (
@@ -136,6 +142,7 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.batch_size.set(batch_size)
+        self.batch_rows.inc(batch_size)
 
     def observe_push(self, since_submit: float, since_last_push: float | None) -> None:
         """A request's tokens were pushed: ``since_last_push`` None for its first push (time to

@@ -177,14 +177,21 @@ def test_engine_figures_are_the_counters_increases_over_a_level() -> None:
     assert before['herald_requests_total{outcome="ok"}'] == 4.0
     assert before["herald_prefill_seconds_total"] == 1.5 and "# HELP" not in str(before)
     got = engine_deltas(before, after, generated_tokens=640, wall_s=10.5)
+    # every herald_* counter's increase, for what the level's time went to
+    assert got.pop("server_deltas") == {
+        "herald_decode_seconds_total": 8.0, "herald_generated_tokens_total": 640.0,
+        "herald_prefill_seconds_total": 0.5, "herald_prompt_tokens_total": 512.0,
+    }  # fmt: skip
     assert got == {
         "engine_prefill_s": 0.5, "engine_decode_s": 8.0, "engine_prompt_tokens": 512,
         "engine_generated_tokens": 640, "served_tokens_per_s": 640 / 10.0,
     }  # fmt: skip
     nothing = dict.fromkeys(got)
-    assert engine_deltas(None, after, 640, 10.5) == nothing  # a scrape failed
+    failed = engine_deltas(None, after, 640, 10.5)  # a scrape failed
+    assert failed.pop("server_deltas") is None and failed == nothing
     old = parse_metrics("herald_requests_running 0.0\n")  # a server without these counters
-    assert engine_deltas(old, old, 640, 10.5) == nothing
+    bare = engine_deltas(old, old, 640, 10.5)
+    assert bare.pop("server_deltas") == {} and bare == nothing
     restarted = engine_deltas(after, before, 640, 10.5)  # counters went down: no increase
     assert restarted["engine_decode_s"] is None and restarted["served_tokens_per_s"] is None
     assert engine_deltas(before, after, 640, 0.5)["served_tokens_per_s"] is None  # no time left
@@ -208,7 +215,11 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     """From records alone: a level with the engine figures and an ok point gets its served
     tok/s, prefill seconds and served / bench; one without them (an older record, a server
     without the counters) gets '-'."""
-    new = _level(4, engine_prefill_s=0.5, served_tokens_per_s=64.0)
+    deltas = {"herald_engine_step_seconds_count": 10.0, "herald_batch_rows_total": 35.0}
+    new = _level(
+        4, engine_prefill_s=0.5, engine_decode_s=8.0, served_tokens_per_s=64.0,
+        server_deltas=deltas,
+    )  # fmt: skip
     point = {"bench": "serve", "run_id": "r1", "kind": "throughput_point", "prompt_tokens": 256,
              "concurrency": 4, "status": "ok", "decode_tokens_per_s": 80.0}  # fmt: skip
     records = [new, _level(1), point]
@@ -227,12 +238,15 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     }  # fmt: skip
     lines = write_readme(tmp_path).read_text().splitlines()
     head = next(ln for ln in lines if ln.startswith("| mode |"))
-    assert "| generated tok/s | engine prefill s | served tok/s |" in head
+    assert (
+        "| generated tok/s | engine prefill s | engine decode s | mean batch | served tok/s |"
+        in head
+    )
     assert head.endswith("| throughput bench tok/s | served / bench |")
     row4 = next(ln for ln in lines if ln.startswith("| herald | 256 | 4 |"))
-    assert "| 60.0 | 0.50 | 64.0 |" in row4 and row4.endswith("| 80.0 | 0.80 |")
+    assert "| 60.0 | 0.50 | 8.00 | 3.5 | 64.0 |" in row4 and row4.endswith("| 80.0 | 0.80 |")
     row1 = next(ln for ln in lines if ln.startswith("| herald | 256 | 1 |"))
-    assert "| 60.0 | - | - |" in row1 and row1.endswith("| - | - |")
+    assert "| 60.0 | - | - | - | - |" in row1 and row1.endswith("| - | - |")
 
 
 @pytest.mark.parametrize(
