@@ -280,9 +280,11 @@ class EngineConfig:
     (``[0, P), [P, 2P), ...``), whatever other prompts share a boundary, so a prompt's KV does
     not depend on its neighbours in the queue (:mod:`herald.engine.scheduler`)."""
     max_prefill_tokens: int | None = None
-    """Prompt tokens prefilled per block boundary at most (rounded down to whole blocks, at
-    least one block); a longer prompt is prefilled in chunks over several boundaries while the
-    running requests keep decoding. None: every admitted prompt is prefilled whole."""
+    """Prompt tokens prefilled per decode forward of the running batch at most (rounded down to
+    whole blocks, at least one block): the dense engine admits before every forward, the
+    offloading modes once per block, up to this many times the block's forwards; a longer
+    prompt is prefilled in chunks over several boundaries while the running requests keep
+    decoding. None: every admitted prompt is prefilled whole."""
     max_waiting: int | None = None
     """Requests waiting beyond the free slots at most; more are refused (a server answers
     HTTP 503 with Retry-After). None: unbounded."""

@@ -224,7 +224,7 @@ class Engine(ABC):
     def _admit(self) -> None:
         """At a block boundary: schedule and run this boundary's prefill chunks; a request
         whose last chunk ran joins the batch (:meth:`_join`)."""
-        chunks = self.scheduler.schedule(len(self.batch))
+        chunks = self.scheduler.schedule(len(self.batch), self._forwards_per_boundary())
         for i, chunk in enumerate(chunks):
             t0 = time.perf_counter()
             try:
@@ -242,6 +242,11 @@ class Engine(ABC):
             self.stats.num_prefill_tokens += chunk.end - chunk.start
             if chunk.last:
                 self._join(chunk)
+
+    def _forwards_per_boundary(self) -> int:
+        """Decode forwards of the running batch per block boundary, the scale of the prefill
+        budget (:meth:`Scheduler.schedule`): 1 where every forward is a boundary."""
+        return 1
 
     @abstractmethod
     def _prefill(self, chunk: PrefillChunk) -> None:

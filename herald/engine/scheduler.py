@@ -9,9 +9,13 @@ dense engine: every step; the offloading engine: when its lockstep block has com
 * **KV memory**: its CPU pages (offloading engines) and, where the engine prefills into the slot
   itself, a GPU slot must be free now (:meth:`KVManager.can_admit`); they are allocated when it
   starts, all at once;
-* **prefill budget**: at most ``max_prefill_tokens`` prompt tokens per boundary; a longer prompt
-  is prefilled in chunks over several boundaries (one request at a time), while the running
-  requests keep decoding. None: every admitted prompt is prefilled whole.
+* **prefill budget**: at most ``max_prefill_tokens`` prompt tokens per decode forward of the
+  running batch; a longer prompt is prefilled in chunks over several boundaries (one request at
+  a time), while the running requests keep decoding. The dense engine has a boundary before
+  every forward (budget x 1); the offloading engine has one per block, after all of the block's
+  forwards (budget x the forwards of its last block), so both spend the same share of the GPU
+  on prefill and a lockstep batch fills as fast as a dense one. None: every admitted prompt is
+  prefilled whole.
 * **fixed pieces**: a chunk that stops before its prompt's end stops on a multiple of
   ``piece_tokens`` (the engine's prefill forward length), so a prompt is always prefilled in the
   same forwards, ``[0, P), [P, 2P), ...``, whatever other prompts took of a boundary's budget;
@@ -188,10 +192,14 @@ class Scheduler:
             out.append(req)
         return out
 
-    def schedule(self, num_running: int) -> list[PrefillChunk]:
-        """The prefill chunks of this boundary, in order (see the module docstring). Starting a
-        request allocates its KV (pages, and a slot where the engine prefills into it)."""
+    def schedule(self, num_running: int, forwards: int = 1) -> list[PrefillChunk]:
+        """The prefill chunks of this boundary, in order (see the module docstring): at most
+        ``max_prefill_tokens`` times ``forwards`` (the running batch's decode forwards since
+        the last boundary, at least 1) prompt tokens. Starting a request allocates its KV
+        (pages, and a slot where the engine prefills into it)."""
         budget = self.max_prefill_tokens
+        if budget is not None:
+            budget *= max(1, forwards)
         chunks: list[PrefillChunk] = []
         joined = 0
         while budget is None or budget > 0:

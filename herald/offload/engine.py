@@ -109,6 +109,7 @@ class OffloadEngine(Engine):
         self._block_step = 0
         self._draft = torch.empty(0, dtype=torch.long)
         self._block_t0 = 0.0
+        self._block_forwards = self.block_size  # forwards of the last block (prefill budget)
         self._stagings: dict[str, PinnedStaging] = {}
         self.prompt = PromptPrefill(self)
         # Last: the pinned registrations and the policy's threads, so that nothing above (a GPU
@@ -265,6 +266,11 @@ class OffloadEngine(Engine):
         self.last_len.append(last)
         self.batch.add(req)
 
+    def _forwards_per_boundary(self) -> int:
+        """The forwards of the last block (its denoising steps and the commit; before the first
+        block, ``block_size``): this engine admits once per block."""
+        return self._block_forwards
+
     def _reset_after_failure(self) -> None:
         self.policy.cancel()
         self._sync()
@@ -385,6 +391,7 @@ class OffloadEngine(Engine):
         self._swap_pools(blocks, k_next)
         self.stats.blocks.append(self._timing(main_t, nxt, len(reqs)))
         self._leave()
+        self._block_forwards = self._block_step + 1
         self._in_commit, self._block_step = False, 0
         self._admit()
         return []

@@ -319,18 +319,22 @@ def test_random_prefill_decodes_and_times_blocks(mode):
 
 
 def test_chunked_prefill_across_boundaries_equals_dense():
-    """Prompts prefilled 64 tokens per block boundary (one request at a time, next to decoding
-    rows; one aborted mid-prefill) give dense's tokens; every page comes back."""
+    """Prompts prefilled 64 tokens per forward (192 per block boundary: two denoising steps and
+    the commit; one request at a time, next to decoding rows; one aborted mid-prefill) give
+    dense's tokens; every page comes back."""
     model, config = _model("tiny-llada2")
-    prompts = _prompts(config, [20, 300, 45, 200, 7], seed=5)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (33, 64, 40, 50, 96)]
+    prompts = _prompts(config, [20, 300, 45, 400, 7], seed=5)
+    params = [
+        SamplingParams(max_new_tokens=n, num_denoise_steps=2, ignore_eos=True)
+        for n in (33, 64, 40, 50, 96)
+    ]
     dense = make_engine(model, config, None, max_batch_size=2, max_seq_len=512)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     eng = make_engine(model, config, MODES["herald"], max_batch_size=2, max_seq_len=512,
         prefill_chunk_tokens=32, max_prefill_tokens=64,
     )  # fmt: skip
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    extra = eng.add_request(_prompts(config, [260], seed=9)[0], params[0])
+    extra = eng.add_request(_prompts(config, [460], seed=9)[0], params[0])
     overlapped = 0
     while eng.has_unfinished():
         eng.step()
@@ -557,6 +561,39 @@ def test_prefill_time_is_not_also_counted_as_decode_time(monkeypatch, engine_mod
         eng.generate(_prompts(config, [70, 20, 130]), SamplingParams(max_new_tokens=64))
     finally:
         eng.close()
-    assert len(chunks) >= 4  # the 64-token budget splits prompts over several boundaries
+    # two slots: the third prompt is admitted at a boundary of the running batch (the
+    # offloading engine's commit)
+    assert len(chunks) >= 3
     assert eng.stats.prefill_seconds == 100.0 * len(chunks)
     assert eng.stats.decode_seconds == 0.0
+
+
+def test_the_lockstep_engine_prefills_its_budget_times_the_blocks_forwards():
+    """The offloading engine admits once per block: its per-forward prefill budget is scaled
+    by the forwards of its last block (block_size before the first), so a queue behind a
+    running batch joins as fast as next to the dense engine, which admits before each forward."""
+    model, config = _model("tiny-sdar")
+    b = config.block_size
+    eng = make_engine(
+        model, config, MODES["herald"], max_batch_size=4, max_seq_len=512, max_prefill_tokens=b
+    )
+    calls = []
+    real = eng.scheduler.schedule
+
+    def schedule(num_running, forwards=1):
+        chunks = real(num_running, forwards)
+        calls.append((num_running, forwards, sum(c.end - c.start for c in chunks)))
+        return chunks
+
+    eng.scheduler.schedule = schedule
+    params = SamplingParams(max_new_tokens=4 * b, num_denoise_steps=3, ignore_eos=True)
+    try:
+        eng.generate(_prompts(config, [10 * b] * 4), params)
+    finally:
+        eng.close()
+    # nothing runs yet: block_size forwards' worth (32 blocks): three prompts and two blocks
+    assert calls[0] == (0, b, 32 * b)
+    running = [c for c in calls if c[0] > 0 and c[2]]
+    # then three denoising steps and the commit per block: 4 blocks' worth per boundary (not
+    # the unscaled one block) until the fourth prompt's remaining 8 blocks are prefilled
+    assert [c[1:] for c in running] == [(4, 4 * b), (4, 4 * b)]
