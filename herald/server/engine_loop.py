@@ -192,10 +192,13 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             if not self.engine.has_unfinished():
+                idle0 = time.perf_counter()
                 self._publish(None)  # e.g. a waiting request aborted: say so
                 self._observe_idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
+                if self.metrics is not None:
+                    self.metrics.idle_seconds.inc(time.perf_counter() - idle0)
                 continue
             t0 = time.perf_counter()
             try:
@@ -207,7 +210,10 @@ class EngineLoop:
                 if self._failures >= self.max_step_failures:
                     log.error("engine failed %d steps in a row: declaring it dead", self._failures)
                     self.dead = e
-            self._publish(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._publish(t1 - t0)
+            if self.metrics is not None:
+                self.metrics.publish_seconds.inc(time.perf_counter() - t1)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

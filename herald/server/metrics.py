@@ -106,6 +106,16 @@ class ServerMetrics:
         self.decode_seconds = Counter(
             "herald_decode_seconds", "Engine seconds spent in decode forwards", registry=r
         )
+        self.idle_seconds = Counter(
+            "herald_engine_idle_seconds",
+            "Engine thread seconds with nothing to run (no request queued or running)",
+            registry=r,
+        )
+        self.publish_seconds = Counter(
+            "herald_engine_publish_seconds",
+            "Engine thread seconds spent handing steps' tokens to the HTTP side and metrics",
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "herald_time_to_first_token_seconds",
             "Per request: submitted to its first tokens pushed (its first block)",

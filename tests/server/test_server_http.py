@@ -363,12 +363,16 @@ def test_metrics_and_health(server: LiveServer) -> None:
         "herald_time_to_first_token_seconds_count",
         "herald_time_per_output_block_seconds_count",
         "herald_e2e_request_latency_seconds_count",
+        "herald_batch_rows_total",
+        "herald_engine_idle_seconds_total",
+        "herald_engine_publish_seconds_total",
     ):
         assert name in text
     values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln[:1] != "#"}
     for name in ("herald_generated_tokens_total", "herald_decode_seconds_total",
                  "herald_time_to_first_token_seconds_count",
-                 "herald_e2e_request_latency_seconds_count"):  # fmt: skip
+                 "herald_e2e_request_latency_seconds_count", "herald_batch_rows_total",
+                 "herald_engine_publish_seconds_total"):  # fmt: skip
         assert values[name] > 0, name
 
 
