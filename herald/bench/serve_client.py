@@ -155,7 +155,9 @@ def percentiles(xs: list[float]) -> dict[str, float | None]:
 def summarize(outcomes: list[Outcome], wall: float, prompt_tokens: int) -> dict[str, Any]:
     """A level's counts, rates and percentiles. Generated tokens count every token received,
     cancelled requests' included; prompt tokens count the prompts the server prefilled (those
-    whose first chunk arrived); both rates are over the level's wall time."""
+    whose first chunk arrived); both rates are over the level's wall time.
+    ``latency_by_request_s``: each request's latency in the order sent (None: not completed).
+    """
     done = [o for o in outcomes if o.status == "completed"]
     prefilled = sum(o.first_chunk_s is not None for o in outcomes)
     generated = sum(o.tokens for o in outcomes)
@@ -176,6 +178,9 @@ def summarize(outcomes: list[Outcome], wall: float, prompt_tokens: int) -> dict[
         ),
         "time_between_chunks_s": percentiles([g for o in outcomes for g in o.gaps_s]),
         "latency_s": percentiles([o.latency_s for o in done if o.latency_s is not None]),
+        "latency_by_request_s": [
+            o.latency_s if o.status == "completed" else None for o in outcomes
+        ],  # fmt: skip
         "completion_tokens_per_request": sorted({o.tokens for o in done}),
         "chunks_per_request": sorted({o.chunks for o in done}),
         "prompt_tokens_reported": sorted(

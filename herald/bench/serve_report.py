@@ -147,6 +147,22 @@ def _machine(head: dict[str, Any] | None) -> str:
     return f"{cpu}{gpu}, torch {m.get('torch', '?')}, Python {m.get('python', '?')}; code {version}"
 
 
+def first_vs_last(lv: dict[str, Any], tail: int = 10) -> str | None:
+    """For a concurrency-1 level of more than ``tail`` completed requests: the first request's
+    latency beside the median of the last ``tail`` (a warm server's first request should be as
+    fast as its hundredth); None otherwise."""
+    lat = lv.get("latency_by_request_s") or []
+    if lv.get("concurrency") != 1 or len(lat) <= tail or any(x is None for x in lat):
+        return None
+    last = sorted(lat[-tail:])
+    median = (last[(tail - 1) // 2] + last[tail // 2]) / 2
+    return (
+        f"{lv['mode']}, {lv['prompt_tokens']} prompt tokens, concurrency 1, {len(lat)} requests "
+        f"in a row: first {lat[0]:.3f} s, median of the last {tail} {median:.3f} s "
+        f"(first / last = {lat[0] / median:.2f})"
+    )
+
+
 def run_section(run: dict[str, Any]) -> str:
     """One run: what ran where, its table, and the throughput command beside it."""
     first, head = run["levels"][0], run["head"]
@@ -167,6 +183,10 @@ def run_section(run: dict[str, Any]) -> str:
     cmd = first.get("throughput_command")
     if not run["points"] and cmd:
         lines += ["", f"Throughput figure beside it (not measured in this run): `{cmd}`"]
+    for lv in run["levels"]:
+        line = first_vs_last(lv)
+        if line:
+            lines += ["", line]
     bad = sorted({e for lv in run["levels"] for e in lv.get("errors", [])})
     if bad:
         lines += ["", "Errors: " + "; ".join(f"`{e}`" for e in bad[:5])]

@@ -278,3 +278,15 @@ def test_bad_inputs_are_refused_before_anything_starts(
 def test_herald_bench_serve_is_a_subcommand(tmp_path: Path, capsys) -> None:
     assert cli_main(["bench", "serve", "--concurrency", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--concurrency must be >= 1" in capsys.readouterr().err
+
+
+def test_a_long_concurrency_one_level_sets_its_first_request_beside_its_last() -> None:
+    from herald.bench.serve_report import first_vs_last
+
+    lat = [1.2] + [1.0] * 8 + [1.1] * 5 + [0.9] * 5
+    line = first_vs_last(_level(1, latency_by_request_s=lat))
+    assert line is not None and "19 requests in a row: first 1.200 s" in line
+    assert "median of the last 10 1.000 s (first / last = 1.20)" in line
+    assert first_vs_last(_level(4, latency_by_request_s=lat)) is None  # not one at a time
+    assert first_vs_last(_level(1, latency_by_request_s=lat[:10])) is None  # too few
+    assert first_vs_last(_level(1, latency_by_request_s=[*lat, None])) is None  # one failed
