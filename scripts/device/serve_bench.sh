@@ -14,12 +14,14 @@
 #
 # Defaults: --prompt-tokens 16256 (LLaDA2.0-mini's config says max_position_embeddings 16384 and
 # herald serve caps a request at it: 16256 prompt tokens + 128 generated fill that context; a
-# 16384-token prompt is refused before anything starts), concurrency 1 8 32 (twice as many
-# requests per level), max_tokens 128 (4 blocks), steps 20, a 45 s limit per level, one warm-up
-# request, and herald bench throughput's point beside each level (--throughput-point, measured
-# after the levels on the same model). The prefill budget per block boundary is 65536 tokens
-# (herald serve's default, 4096, takes 4 block boundaries per 16K prompt: at concurrency 32 the
-# requests would then finish faster than new ones are prefilled).
+# 16384-token prompt is refused before anything starts; HERALD_ALLOW_LONG_CONTEXT=1 in the env
+# lifts the cap, e.g. PROMPT=32640), concurrency 1 8 32 (twice as many requests per level),
+# max_tokens 128 (4 blocks), steps 20, a 45 s limit per level, one warm-up request, and herald
+# bench throughput's point beside each level (--throughput-point, measured after the levels on
+# the same model). The prefill budget is 65536 tokens per decode forward (herald serve's
+# default, 4096, gives the dense engine one 4096-token piece per forward: at concurrency 32
+# requests then finish faster than new ones are prefilled; the offloading modes scale it by a
+# block's forwards).
 #
 # Expected time: ~10 s for the wheels, then per mode ~30 s to start (imports, model, engine and,
 # with herald, the pinned CPU pool), at most 3 x 45 s of levels (less when every request of a
