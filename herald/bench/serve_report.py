@@ -17,7 +17,8 @@ JSONL_NAME = "serve_bench.jsonl"
 
 COLUMNS = (
     "mode", "prompt tokens", "concurrency", "requests done / failed / cancelled", "wall s",
-    "generated tok/s", "engine prefill s", "engine decode s", "mean batch", "served tok/s",
+    "generated tok/s", "engine prefill s", "engine decode s", "engine idle / publish s",
+    "mean batch", "served tok/s",
     "prompt tok/s",
     "first chunk p50 / p90 / p99 s", "between chunks p50 / p90 / p99 s",
     "latency p50 / p90 / p99 s", "throughput bench tok/s", "served / bench",
@@ -105,6 +106,17 @@ def mean_batch(lv: dict[str, Any]) -> float | None:
     return rows / steps if steps and rows is not None else None
 
 
+def idle_publish(lv: dict[str, Any]) -> str:
+    """The engine thread's idle seconds during a level (its idle counter's increase less the
+    seconds after the level until the last scrape) and its publish seconds, '-' without them."""
+    d = lv.get("server_deltas") or {}
+    idle, tail = d.get("herald_engine_idle_seconds_total"), lv.get("after_level_s")
+    publish = d.get("herald_engine_publish_seconds_total")
+    if idle is None or tail is None or publish is None:
+        return "-"
+    return f"{max(0.0, idle - tail):.2f} / {publish:.2f}"
+
+
 def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
     point = _point(lv, points)
     bench = None
@@ -123,7 +135,8 @@ def _row(lv: dict[str, Any], points: list[dict[str, Any]]) -> str:
         mode, str(lv["prompt_tokens"]), str(lv["concurrency"]),
         f"{lv['completed']} / {lv['failed']} / {lv['cancelled']}", _s(lv["wall_s"], 2),
         _s(lv["generated_tokens_per_s"], 1), _s(lv.get("engine_prefill_s"), 2),
-        _s(lv.get("engine_decode_s"), 2), _s(mean_batch(lv), 1), _s(served, 1),
+        _s(lv.get("engine_decode_s"), 2), idle_publish(lv), _s(mean_batch(lv), 1),
+        _s(served, 1),
         _s(lv["prompt_tokens_per_s"], 1), _pcts(lv["time_to_first_chunk_s"]),
         _pcts(lv["time_between_chunks_s"]), _pcts(lv["latency_s"]), tp,
         _s(_ratio(served, bench), 2),

@@ -195,10 +195,14 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
                 f"{len(level)} requests")  # fmt: skip
             before = server_metrics(url)
             outcomes, wall = asyncio.run(run_level(url, [q.token_ids for q in level], c, settings))
+            ended = time.perf_counter()
             s = summarize(outcomes, wall, p)
             idle = server_idle(url)
             after = metrics_after(url, before, s["generated_tokens"])
             engine = engine_deltas(before, after, s["generated_tokens"], wall)
+            # the engine's idle seconds after the level (waiting for the server to go idle and
+            # for the last scrape) are not the level's
+            engine["after_level_s"] = time.perf_counter() - ended
             rec = {**head, "prompt_tokens": p, "context": p + a.max_tokens, "concurrency": c,
                    "requests": len(level), **s, **engine, "server_idle_after": idle,
                    "load_avg_1min": os.getloadavg()[0],

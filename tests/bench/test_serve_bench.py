@@ -215,10 +215,13 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     """From records alone: a level with the engine figures and an ok point gets its served
     tok/s, prefill seconds and served / bench; one without them (an older record, a server
     without the counters) gets '-'."""
-    deltas = {"herald_engine_step_seconds_count": 10.0, "herald_batch_rows_total": 35.0}
+    deltas = {
+        "herald_engine_step_seconds_count": 10.0, "herald_batch_rows_total": 35.0,
+        "herald_engine_idle_seconds_total": 2.5, "herald_engine_publish_seconds_total": 0.25,
+    }  # fmt: skip
     new = _level(
         4, engine_prefill_s=0.5, engine_decode_s=8.0, served_tokens_per_s=64.0,
-        server_deltas=deltas,
+        server_deltas=deltas, after_level_s=2.0,
     )  # fmt: skip
     point = {"bench": "serve", "run_id": "r1", "kind": "throughput_point", "prompt_tokens": 256,
              "concurrency": 4, "status": "ok", "decode_tokens_per_s": 80.0}  # fmt: skip
@@ -239,14 +242,16 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     lines = write_readme(tmp_path).read_text().splitlines()
     head = next(ln for ln in lines if ln.startswith("| mode |"))
     assert (
-        "| generated tok/s | engine prefill s | engine decode s | mean batch | served tok/s |"
-        in head
-    )
+        "| generated tok/s | engine prefill s | engine decode s | engine idle / publish s "
+        "| mean batch | served tok/s |"
+    ) in head
     assert head.endswith("| throughput bench tok/s | served / bench |")
     row4 = next(ln for ln in lines if ln.startswith("| herald | 256 | 4 |"))
-    assert "| 60.0 | 0.50 | 8.00 | 3.5 | 64.0 |" in row4 and row4.endswith("| 80.0 | 0.80 |")
+    assert "| 60.0 | 0.50 | 8.00 | 0.50 / 0.25 | 3.5 | 64.0 |" in row4 and row4.endswith(
+        "| 80.0 | 0.80 |"
+    )
     row1 = next(ln for ln in lines if ln.startswith("| herald | 256 | 1 |"))
-    assert "| 60.0 | - | - | - | - |" in row1 and row1.endswith("| - | - |")
+    assert "| 60.0 | - | - | - | - | - |" in row1 and row1.endswith("| - | - |")
 
 
 @pytest.mark.parametrize(
