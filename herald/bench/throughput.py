@@ -21,6 +21,11 @@ parts resume and merge. A folder holds one set of measurement settings (device, 
 warm-up and timed blocks, prefill, pool, threads, kv_pad, graphs): a run with other settings is
 refused (give another ``--out``), a dry run says so. ``--report DIR`` rebuilds README.md and the
 plots from ``DIR/*.jsonl``.
+
+``--mixed-contexts`` measures every point twice in the same run, one after the other: uniform
+(every request at the context) and mixed (request i at its own context, whole blocks spread
+evenly over [context / 2, context]: rows of different KV lengths, as a server's); the report
+shows the mixed points as their own rows and compares the two.
 """
 
 from __future__ import annotations
@@ -93,6 +98,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_list(g, "--figures", metavar="FIGURE", help="filter: figures (table2, fig13, ...)")
     g.add_argument("--dry-run", action="store_true", help="list pending points and exit")
     g = p.add_argument_group("measurement")
+    _add_engine_arguments(g)
+    _add_run_arguments(g)
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
+    deprecated_alias(p, "--budget", "--kv-budget")
+
+
+def _add_engine_arguments(g: Any) -> None:
+    """The measurement group's first part: where, and the engines' settings."""
     g.add_argument(
         "--out",
         type=Path,
@@ -158,6 +171,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="dense engine's kv_pad (default 0: a uniform batch needs no mask, the fastest "
         "dense measured: 903 vs 784 tok/s with 512, LLaDA2.0-mini 32K x 16 on the H200)",
     )
+
+
+def _add_run_arguments(g: Any) -> None:
+    """The measurement group's second part: the points' prompts (mixed contexts, real prefill),
+    the run's time limit, probes, errors, reports."""
+    g.add_argument(
+        "--mixed-contexts",
+        action="store_true",
+        help="measure every point twice, one after the other: as without the flag (every "
+        "request at the context: one KV length) and with mixed contexts, where each request of "
+        "the batch has a prompt of its own length, as served requests do (attention and the "
+        "pools then take their paths for rows of different KV lengths): request i of a batch "
+        "of n is round(i x span / (n - 1)) blocks shorter than the context, span = context // "
+        "2 // block size, so the lengths fall evenly from the context to about half of it. "
+        "Engine, steps, pool and the KV-page and DRAM checks are the uniform point's (the "
+        'longest context). Mixed points are recorded with "contexts": "mixed", mean_context '
+        "and min_context, and reported in rows of their own",
+    )
     g.add_argument(
         "--real-prefill",
         action="store_true",
@@ -190,8 +221,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="only rebuild DIR/README.md and the plots from DIR/*.jsonl",
     )
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")  # fmt: skip
-    deprecated_alias(p, "--budget", "--kv-budget")
 
 
 def check_measurement_args(args: argparse.Namespace) -> None:

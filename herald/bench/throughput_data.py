@@ -86,15 +86,17 @@ class Data:
 
     def sweep(
         self, model: str, ctx: int, variant: str, budget: float | None, cap: float | None,
-        steps: int = 20,
+        steps: int = 20, contexts: str = plan.UNIFORM,
     ) -> tuple[dict[int, dict[str, Any]], str]:  # fmt: skip
-        """Points of a sweep and a note: uncapped offloading sweeps fall back to the 80 GB one
-        when it never ran out of GPU memory (as the benchmark itself does)."""
-        key = plan.sweep_key(model, ctx, variant, budget, cap, steps)
+        """Points of a sweep (uniform contexts unless ``contexts`` says) and a note: uncapped
+        offloading sweeps fall back to the 80 GB one when it never ran out of GPU memory (as the
+        benchmark itself does)."""
+        key = plan.sweep_key(model, ctx, variant, budget, cap, steps, contexts)
         recs = self.sweeps.get(key, {})
         if recs or cap is not None or not VARIANTS[variant].offload:
             return recs, self.aside_note(key)
-        capped = self.sweeps.get(plan.sweep_key(model, ctx, variant, budget, CAP_H100, steps), {})
+        capped_key = plan.sweep_key(model, ctx, variant, budget, CAP_H100, steps, contexts)
+        capped = self.sweeps.get(capped_key, {})
         if capped and not any(r["status"] == "oom" for r in capped.values()):
             return capped, "= 80 GB run"
         return {}, ""
@@ -207,6 +209,15 @@ def rehearsal_mark(rec: dict[str, Any] | None) -> str:
     if rec and rec.get("block_main_s") is None and block_stat(rec, "block_main_s") is not None:
         return REHEARSAL_MARK
     return ""
+
+
+MIXED_SUFFIX = " (mixed)"
+
+
+def variant_label(rec: dict[str, Any]) -> str:
+    """A point's variant, suffixed :data:`MIXED_SUFFIX` when its contexts are mixed (its rows
+    are kept apart from the uniform point's)."""
+    return rec["variant"] + (MIXED_SUFFIX if plan.record_contexts(rec) == plan.MIXED else "")
 
 
 def mean_of(xs: list[float] | None) -> float | None:

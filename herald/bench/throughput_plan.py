@@ -8,6 +8,11 @@ skipped when a later run resumes.
 
 Sweeps that name the same measurement (same model, context, variant, budget, cap, T) are merged,
 so the HERALD sweep of Table II is also the last rung of Fig. 13 and the T = 20 column of Fig. 14.
+
+A sweep's *contexts* are uniform (every request at the sweep's context: the plans' sweeps) or
+mixed (each request at its own context, :func:`mixed_context_lengths`): ``--mixed-contexts``
+gives every sweep a mixed twin, a sweep of its own (its own key, records and report rows)
+measured batch by batch right after the uniform one.
 """
 
 from __future__ import annotations
@@ -147,6 +152,29 @@ BATCHES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {
 _LIKE = {"herald-selected": "herald", "mage-cpu-rep": "herald", "mage-cpu": "mage"}
 
 
+UNIFORM, MIXED = "uniform", "mixed"  # a point's contexts: Sweep.contexts, a record's "contexts"
+
+
+def mixed_context_lengths(context: int, batch: int, block_size: int) -> list[int]:
+    """The prompt lengths of a mixed point's ``batch`` requests: request i is
+    round(i x span / (batch - 1)) blocks shorter than ``context`` (halves rounded up), span =
+    context // 2 // block_size blocks. So the lengths fall evenly from ``context`` (request 0)
+    to at least context / 2 (the last one), each a whole number of blocks shorter than
+    ``context`` (whole blocks when ``context`` is); ``[context]`` for a batch of 1."""
+    if batch == 1:
+        return [context]
+    span = context // 2 // block_size
+    return [
+        context - (2 * i * span + batch - 1) // (2 * (batch - 1)) * block_size for i in range(batch)
+    ]
+
+
+def record_contexts(rec: dict[str, Any]) -> str:
+    """A point record's contexts: its ``"contexts"``, :data:`UNIFORM` where it has none (records
+    from before ``--mixed-contexts`` existed, and uniform ones)."""
+    return str(rec.get("contexts") or UNIFORM)
+
+
 @dataclass(frozen=True)
 class Sweep:
     """One variant on one model and context; ``batches`` empty = the peak batch of the same
@@ -165,19 +193,24 @@ class Sweep:
     reuse_cap_gb: float | None = None
     """Uncapped offloading sweeps: reuse the sweep at this cap when none of its points ran out of
     GPU memory (the cap then changed nothing: offloading batches are bounded by DRAM)."""
+    contexts: str = UNIFORM
+    """:data:`UNIFORM`: every request at ``context``; :data:`MIXED`: request i at its own
+    context (:func:`mixed_context_lengths`), the longest ``context`` (``--mixed-contexts``)."""
 
     @property
     def key(self) -> tuple[Any, ...]:
         return sweep_key(
-            self.model, self.context, self.variant, self.budget, self.gpu_cap_gb, self.steps
-        )
+            self.model, self.context, self.variant, self.budget, self.gpu_cap_gb, self.steps,
+            self.contexts,
+        )  # fmt: skip
 
     @property
     def label(self) -> str:
         cap = f"{self.gpu_cap_gb:g} GB" if self.gpu_cap_gb else "no cap"
         bud = f" {self.budget:.1%}" if self.budget else ""
         ctx = ctx_label(self.context)
-        return f"{model_name(self.model)} {ctx} {self.variant}{bud} {cap} T={self.steps}"
+        mixed = " mixed contexts" if self.contexts == MIXED else ""
+        return f"{model_name(self.model)} {ctx} {self.variant}{bud} {cap} T={self.steps}{mixed}"
 
     def reference(self, steps: int | None = None, cap: float | None | str = "same") -> Sweep:
         """The same sweep at another T or cap (batches as in the plan are not compared)."""
@@ -199,7 +232,13 @@ def model_name(model: str) -> str:
 
 
 def sweep_key(
-    model: str, context: int, variant: str, budget: float | None, cap: float | None, steps: int
+    model: str,
+    context: int,
+    variant: str,
+    budget: float | None,
+    cap: float | None,
+    steps: int,
+    contexts: str = UNIFORM,
 ) -> tuple[Any, ...]:
     return (
         model,
@@ -208,13 +247,14 @@ def sweep_key(
         None if budget is None else round(float(budget), 6),
         None if cap is None else float(cap),
         int(steps),
+        contexts,
     )
 
 
 def record_sweep_key(rec: dict[str, Any]) -> tuple[Any, ...]:
     return sweep_key(
         rec["model"], rec["context"], rec["variant"], rec["budget"], rec["gpu_cap_gb"],
-        rec["steps"],
+        rec["steps"], record_contexts(rec),
     )  # fmt: skip
 
 

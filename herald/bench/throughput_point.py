@@ -7,6 +7,11 @@ torch.compile of new shapes, the first block's prefill) and ``timed`` blocks, B 
 block in fixed T steps, EOS ignored. Decode throughput = tokens generated in the timed blocks /
 their wall time (host clock between block boundaries, main stream synchronised).
 
+A mixed point (:attr:`~herald.bench.throughput_plan.Sweep.contexts`, ``--mixed-contexts``) admits
+the same prompts cut to :func:`~herald.bench.throughput_plan.mixed_context_lengths`, so each row
+has its own KV length, as a server's requests do; its engine, sizes (sequence length, CPU pool
+pages, the DRAM check: all from the longest, ``context``) and schedule are the uniform point's.
+
 Some one-time costs fall inside the timed blocks however many blocks warm up, and a serving
 process pays them once, not per block; points of such engines **rehearse**
 (:attr:`~herald.bench.throughput_plan.Variant.rehearses`): they decode the same requests' warm-up
@@ -44,7 +49,7 @@ import torch
 from herald.attention.sdpa import padded_kv_len
 from herald.bench.ceilings import KVGeometry, budget_rows
 from herald.bench.common import random_prompts
-from herald.bench.throughput_plan import VARIANTS, Sweep
+from herald.bench.throughput_plan import MIXED, VARIANTS, Sweep, mixed_context_lengths
 from herald.config import DEFAULT_KV_PAD, EngineConfig, OffloadConfig, SamplingParams
 from herald.engine.dense import DenseEngine
 from herald.engine.hooks import EngineHooks, SyntheticPrefill
@@ -322,7 +327,7 @@ def time_selection(
     pool: CpuKVPool,
     config: ModelConfig,
     batch: int,
-    context: int,
+    context: int | list[int],
     n_q: int,
     budget: float,
     output_mode: str,
@@ -330,18 +335,19 @@ def time_selection(
     reps: int = 2,
 ) -> dict[str, Any] | None:
     """The CPU selection kernel and the gather of its rows for one offloaded layer of ``batch``
-    requests of ``context`` tokens (+ a B-token tail, as HERALD's draft), on the pool's own
-    random pages; ``block_s`` = (select + gather) x offloaded layers. None if the pool is too
-    small."""
+    requests of ``context`` tokens (one per request, or the same for all) plus a B-token tail
+    (as HERALD's draft), on the pool's own random pages; ``block_s`` = (select + gather) x
+    offloaded layers; ``k_rows``: the longest request's budget. None if the pool is too small."""
     b, d = config.block_size, config.head_dim
-    npg = context // b
+    npgs = [c // b for c in (context if isinstance(context, list) else [context] * batch)]
+    npg = max(npgs)
     if batch * (npg + 1) > pool.num_pages:
         return None
     table = torch.arange(batch * (npg + 1), dtype=torch.int32).view(batch, npg + 1)
-    seq = torch.full((batch,), npg * b + b, dtype=torch.int32)
+    seq = torch.tensor([n * b + b for n in npgs], dtype=torch.int32)
     tail = torch.full((batch,), b, dtype=torch.int32)
     k = max(1, budget_rows(budget, npg * b))
-    bud = torch.full((batch,), k, dtype=torch.int32)
+    bud = torch.tensor([max(1, budget_rows(budget, n * b)) for n in npgs], dtype=torch.int32)
     g = torch.Generator().manual_seed(batch)
     q = torch.randn(batch, n_q, config.num_heads, d, generator=g).bfloat16()
     kp, vp = pool.k_pages(0), pool.v_pages(0)
@@ -391,6 +397,7 @@ def measure_point(ps: PointSettings, sweep: Sweep, batch: int) -> dict[str, Any]
     if ps.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ps.device)
+    lengths = mixed_context_lengths(sweep.context, batch, b)
     rec: dict[str, Any] = {}
     t0 = time.perf_counter()
     engine: Any = None
@@ -411,6 +418,8 @@ def measure_point(ps: PointSettings, sweep: Sweep, batch: int) -> dict[str, Any]
             max_new_tokens=ps.new_tokens, num_denoise_steps=sweep.steps, ignore_eos=True
         )
         prompts = random_prompts(ps.config, batch, sweep.context, seed=batch)
+        if sweep.contexts == MIXED:  # the same tokens, each prompt cut to its own length
+            prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
         reqs = [engine.add_request(p, params) for p in prompts]
         if var.rehearses:
             # see the module docstring: the timed pass must not pay one-time costs
@@ -438,7 +447,7 @@ def measure_point(ps: PointSettings, sweep: Sweep, batch: int) -> dict[str, Any]
             ps.cpu_pool,
             ps.config,
             batch,
-            sweep.context,
+            lengths if sweep.contexts == MIXED else sweep.context,
             n_q,
             sweep.budget,
             rec.get("output_mode", "full"),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.bench import throughput_plan as plan
-from herald.bench.throughput_data import Data
+from herald.bench.throughput_data import Data, variant_label
 from herald.bench.throughput_plan import CAP_H100
 from herald.bench.throughput_plan import ctx_label as _ctx
 from herald.bench.throughput_records import load_records_file
@@ -26,11 +26,16 @@ def repeat_pairs(d: Data) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
     by_key: dict[tuple[Any, ...], dict[Any, dict[str, Any]]] = defaultdict(dict)
     for p in d.points:
         if p["status"] == "ok":
-            key = (p["model"], p["context"], p["variant"], p.get("budget"), p["steps"], p["batch"])
+            key = (p["model"], p["context"], p["variant"], p.get("budget"), p["steps"],
+                   plan.record_contexts(p), p["batch"])  # fmt: skip
             by_key[key][p.get("gpu_cap_gb")] = p
     out = []
     # budget may be None, so the configuration sorts by its text, then by batch as a number
-    for _, caps in sorted(by_key.items(), key=lambda kv: (str(kv[0][:5]), kv[0][5])):
+    # (uniform before mixed contexts)
+    order = sorted(
+        by_key.items(), key=lambda kv: (str(kv[0][:5]), kv[0][5] != plan.UNIFORM, kv[0][6])
+    )
+    for _, caps in order:
         a, b = caps.get(CAP_H100), caps.get(None)
         if a is None or b is None or a.get("peak_gpu_gib") is None:
             continue
@@ -61,7 +66,7 @@ def repeats(d: Data) -> list[str]:
         (cross if a["run_id"] != b["run_id"] else one).append(abs(diff))
         runs = a["run_id"] if a["run_id"] == b["run_id"] else f"{a['run_id']}, {b['run_id']}"
         rows.append(
-            f"| {plan.model_name(a['model'])} | {_ctx(a['context'])} | {a['variant']} "
+            f"| {plan.model_name(a['model'])} | {_ctx(a['context'])} | {variant_label(a)} "
             f"| {a['steps']} | {a['batch']} | {a['decode_tokens_per_s']:.0f} "
             f"| {b['decode_tokens_per_s']:.0f} | {diff:+.1f}% | {runs} |"
         )
@@ -227,5 +232,6 @@ def _config_cells(p: dict[str, Any]) -> str:
 
 
 def _mode(p: dict[str, Any]) -> str:
-    """``variant budget%`` (``dense`` has no budget)."""
-    return f"{p['variant']} {100 * p['budget']:g}%" if p.get("budget") else p["variant"]
+    """``variant budget%`` (``dense`` has no budget), `` (mixed)`` for mixed contexts."""
+    v = variant_label(p)
+    return f"{v} {100 * p['budget']:g}%" if p.get("budget") else v

@@ -8,7 +8,9 @@ missed, the limiting ceiling and what would lift it), the Table II analog (peak 
 its batch per mode, context and model; at the 80 GB cap and on the whole GPU), the Fig. 12
 analog (throughput vs batch at 32K with the ceilings), the Fig. 13 analog (the ablation ladder,
 §VI-D), the Fig. 14 analog (T sweep with per-block main / retrieval latency), every sweep
-(:mod:`herald.bench.throughput_tables`), repeatability (:mod:`herald.bench.throughput_repeats`),
+(:mod:`herald.bench.throughput_tables`), uniform vs mixed contexts (only where
+``--mixed-contexts`` measured points: they appear nowhere else but in every sweep and every
+point, as their own rows; every other table is uniform points'), repeatability (:mod:`herald.bench.throughput_repeats`),
 method, provenance and every point. The records are read by :mod:`herald.bench.throughput_data`.
 """
 # ruff: noqa: E501  (markdown rows are clearer on one line)
@@ -31,6 +33,7 @@ from herald.bench.throughput_tables import (
     fig13,
     fig14,
     h100_room,
+    mixed_contexts,
     sweeps_summary,
     table2,
 )
@@ -176,6 +179,8 @@ def write_report(out: Path) -> Path:
     lines += ["## Fig. 14 analog: denoising steps T (LLaDA2.0-mini, 80 GB cap)", ""]
     lines += fig14(d, out, plots) + [""]
     lines += sweeps_summary(d) + [""]
+    mixed = mixed_contexts(d)
+    lines += [*mixed, ""] if mixed else []
     lines += repeats(d) + [""]
     lines += remeasured(d, sorted((out / "superseded").glob("remeasured*.jsonl")))
     lines += [METHOD, ""] + provenance(d) + [""] + all_points(d)

@@ -10,7 +10,10 @@ stopped, and parts of a plan run in separate commands, or on separate machines, 
 their JSONL files into one folder. A folder holds one set of settings: a run whose settings
 differ from its points' is refused (:meth:`Runner.conflicts`), so its report never mixes them.
 The model and the CPU pool are built once per model and reused by every point; the GPU-memory
-cap is switched between sweeps. The records themselves: :mod:`herald.bench.throughput_records`.
+cap is switched between sweeps. With ``--mixed-contexts`` each point is measured twice, one
+after the other: uniform (every request at the context), then its sweep's mixed twin (each
+request at its own context), recorded with ``"contexts": "mixed"``, ``mean_context`` and
+``min_context``. The records themselves: :mod:`herald.bench.throughput_records`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import datetime as _dt
 import gc
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +104,17 @@ class Runner:
             for flag, (vals, mine) in seen.items()
         ]
 
+    def twins(self, sweep: Sweep) -> list[Sweep]:
+        """``sweep``, and with ``--mixed-contexts`` its mixed twin
+        (:mod:`herald.bench.throughput_plan`)."""
+        if not getattr(self.args, "mixed_contexts", False):
+            return [sweep]
+        return [sweep, replace(sweep, contexts=plan.MIXED)]
+
     def plan_sweep(self, sweep: Sweep) -> tuple[str, list[int]]:
-        """("run", batches to measure) | ("defer", []) | ("reuse", []) | ("done", [])."""
+        """("run", batches to measure) | ("defer", []) | ("reuse", []) | ("done", []). A peak sweep
+        (no batches) of mixed contexts measures its uniform twin's batch: the uniform reference
+        sweep's peak."""
         if sweep.reuse_cap_gb is not None:
             ref = self.planned(sweep.reference(cap=sweep.reuse_cap_gb))
             ref_recs = point_records(self.records, ref, self.setting(ref), self.here_gib)
@@ -111,7 +124,8 @@ class Runner:
                 return ("reuse", [])
         batches = sweep.batches
         if not batches:
-            ref = self.planned(sweep.reference(steps=sweep.peak_steps))
+            uniform = replace(sweep, contexts=plan.UNIFORM)
+            ref = self.planned(uniform.reference(steps=sweep.peak_steps))
             ref_recs = point_records(self.records, ref, self.setting(ref), self.here_gib)
             if ref.batches and sweep_status(ref_recs, ref.batches)[0]:
                 return ("defer", [])
@@ -124,8 +138,11 @@ class Runner:
         return ("run", todo) if todo else ("done", [])
 
     def planned(self, ref: Sweep) -> Sweep:
-        """The plan's own sweep with ``ref``'s key (its batch list), else ``ref``."""
-        return next((s for s in self.context if s.key == ref.key), ref)
+        """The plan's own sweep with ``ref``'s key (its batch list; a mixed ``ref``: its uniform
+        twin's, as mixed), else ``ref``."""
+        key = replace(ref, contexts=plan.UNIFORM).key
+        found = next((s for s in self.context if s.key == key), None)
+        return ref if found is None else replace(found, contexts=ref.contexts)
 
     def time_left(self) -> float:
         if self.args.time_limit_s is None:
@@ -134,8 +151,9 @@ class Runner:
 
     def estimate(self, sweep: Sweep, batch: int) -> float:
         est = self.args.first_point_estimate_s
-        if sweep.key in self.last_wall:
-            bs, wall = self.last_wall[sweep.key]
+        key = replace(sweep, contexts=plan.UNIFORM).key  # twins take about as long
+        if key in self.last_wall:
+            bs, wall = self.last_wall[key]
             est = wall * max(1.0, batch / bs)
         if self.model_name != sweep.model:
             est += 30.0  # model build
@@ -235,7 +253,7 @@ class Runner:
 
     def run(self) -> int:
         pending: list[tuple[Sweep, list[int]]] = []
-        for s in self.sweeps:
+        for s in (t for u in self.sweeps for t in self.twins(u)):
             state, todo = self.plan_sweep(s)
             if state == "run":
                 pending.append((s, todo))
@@ -253,26 +271,38 @@ class Runner:
         if not pending:
             return 0
         self.header()
-        for i, (sweep, _) in enumerate(pending):
-            tried: set[int] = set()
-            while True:  # planned again after each point: earlier sweeps may resolve a peak,
-                # an OOM ends the list, and a dense sweep's OOM end is narrowed (refine_batch)
-                state, todo = self.plan_sweep(sweep)
-                todo = [b for b in todo if b not in tried]
-                if state != "run" or not todo:
-                    break
-                bs = todo[0]
-                if self.estimate(sweep, bs) > self.time_left():
-                    log(f"time limit: stopping before {sweep.label} batch {bs}")
-                    return self.finish()
-                tried.add(bs)
-                self.run_point(sweep, bs, pending[i:])
+        starts: dict[Sweep, int] = {}  # uniform sweep -> its first pending entry (its twins')
+        for i, (s, _) in enumerate(pending):
+            starts.setdefault(replace(s, contexts=plan.UNIFORM), i)
+        for sweep, i in starts.items():
+            if not self.run_twins(self.twins(sweep), pending[i:]):
+                break
         return self.finish()
+
+    def run_twins(self, twins: list[Sweep], pending: list[tuple[Sweep, list[int]]]) -> bool:
+        """Measure the pending points of a sweep and its mixed twin, batch by batch, the uniform
+        point first; False when the time limit stopped it."""
+        tried: set[tuple[str, int]] = set()
+        while True:  # planned again after each point: earlier sweeps may resolve a peak,
+            # an OOM ends the list, and a dense sweep's OOM end is narrowed (refine_batch)
+            todo = []
+            for n, t in enumerate(twins):
+                state, batches = self.plan_sweep(t)
+                if state == "run":
+                    todo += [(b, n, t) for b in batches if (t.contexts, b) not in tried]
+            if not todo:
+                return True
+            bs, _, sweep = min(todo, key=lambda x: x[:2])
+            if self.estimate(sweep, bs) > self.time_left():
+                log(f"time limit: stopping before {sweep.label} batch {bs}")
+                return False
+            tried.add((sweep.contexts, bs))
+            self.run_point(sweep, bs, pending)
 
     def finish(self) -> int:
         """The exit code: 1 when a point of this call failed with an error (not a capacity
         failure: those are results), else 0."""
-        left = sum(len(self.plan_sweep(s)[1]) for s in self.sweeps)
+        left = sum(len(self.plan_sweep(t)[1]) for s in self.sweeps for t in self.twins(s))
         log(f"measured {len(self.measured)} points; {left} pending in this selection"
             + (" (rerun the same command to resume)" if left else ""))  # fmt: skip
         errors = [r for r in self.measured if r["status"] == "error"]
@@ -314,6 +344,9 @@ class Runner:
             "cpu_pool_gib": self.pool.nbytes / _GIB if var.offload and self.pool else None,
             **{k: v for k, v in self.setting(sweep).items() if k in POINT_SETTINGS},
         }  # fmt: skip
+        if sweep.contexts == plan.MIXED:
+            lens = plan.mixed_context_lengths(sweep.context, batch, self.config.block_size)
+            rec.update(contexts=plan.MIXED, mean_context=sum(lens) / batch, min_context=min(lens))
         try:
             rec.update(tp.measure_point(ps, sweep, batch))
             rec["status"] = "ok"
@@ -329,7 +362,7 @@ class Runner:
         append_record(self.jsonl, rec)
         self.records.append(rec)
         self.measured.append(rec)
-        self.last_wall[sweep.key] = (batch, rec["wall_seconds"])
+        self.last_wall[replace(sweep, contexts=plan.UNIFORM).key] = (batch, rec["wall_seconds"])
         log(describe_point(sweep, rec))
         return str(rec["status"])
 

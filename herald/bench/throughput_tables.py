@@ -14,6 +14,7 @@ from herald.bench import throughput_plan as plan
 from herald.bench import throughput_plots as tplots
 from herald.bench.ceilings import NAMES as CEILING_NAMES
 from herald.bench.throughput_data import (
+    MIXED_SUFFIX,
     RELEVANT,
     Data,
     block_stat,
@@ -24,6 +25,7 @@ from herald.bench.throughput_data import (
     planned_batches,
     rehearsal_mark,
     stop_reason,
+    variant_label,
 )
 from herald.bench.throughput_plan import CAP_H100, LLADA, SDAR, VARIANTS
 from herald.bench.throughput_plan import ctx_label as _ctx
@@ -152,6 +154,8 @@ def dram_bounds(d: Data) -> list[str]:
     was not available."""
     got: dict[tuple[str, int], tuple[int, float, int, Any]] = {}
     for p in d.points:
+        if plan.record_contexts(p) != plan.UNIFORM:
+            continue  # the same pages as the uniform point (the longest context): no news
         m = _POOL_END.search(p.get("error") or "") if p["status"] == "dram" else None
         if not m:
             continue
@@ -286,6 +290,7 @@ def all_points(d: Data) -> list[str]:
             p["model"],
             p["context"],
             p["variant"],
+            plan.record_contexts(p) != plan.UNIFORM,
             p["gpu_cap_gb"] or 1e9,
             p["steps"],
             p["batch"],
@@ -294,7 +299,7 @@ def all_points(d: Data) -> list[str]:
         ms = _ms_of(p)
         sel = (p.get("selection_kernel") or {}).get("block_s")
         lines.append(
-            f"| {p['model_name']} | {p['context']} | {p['variant']} | {cell(p['budget'], '.3f') if p['budget'] else '-'} "
+            f"| {p['model_name']} | {p['context']} | {variant_label(p)} | {cell(p['budget'], '.3f') if p['budget'] else '-'} "
             f"| {p['gpu_cap_gb'] or '-'} | {p['steps']} | {p['batch']} | {p['status']} "
             f"| {cell(p.get('decode_tokens_per_s'))} | {ms('forward_median_s')} | {ms('step0_median_s')} | {ms('step1_median_s')} "
             f"| {ms('commit_median_s')} | {cell(mean_of(block_stat(p, 'block_main_s')), '.2f')}{rehearsal_mark(p)} | {cell(mean_of(block_stat(p, 'block_retrieval_s')), '.2f')} "
@@ -315,14 +320,50 @@ def sweeps_summary(d: Data) -> list[str]:
     lines = ["## Every sweep", "",
              "| model | ctx | variant | budget | cap | T | batches | peak bs | peak tok/s | sweep ended by |",
              "| --- |" + " --- |" * 9]  # fmt: skip
-    for key in sorted(d.sweeps, key=lambda k: (k[0], k[1], k[2], k[4] or 1e9, k[5], k[3] or 0)):
+    for key in sorted(
+        d.sweeps,
+        key=lambda k: (k[0], k[1], k[2], k[6] != plan.UNIFORM, k[4] or 1e9, k[5], k[3] or 0),
+    ):
         recs = d.sweeps[key]
-        model, ctx, v, budget, cap, t = key
+        model, ctx, v, budget, cap, t, contexts = key
         top = peak(recs)
+        name = v + (MIXED_SUFFIX if contexts == plan.MIXED else "")
         lines.append(
-            f"| {plan.model_name(model)} | {ctx} | {v} | {cell(budget, '.3f') if budget else '-'} | {cap or '-'} | {t} "
+            f"| {plan.model_name(model)} | {ctx} | {name} | {cell(budget, '.3f') if budget else '-'} | {cap or '-'} | {t} "
             f"| {', '.join(str(b) for b in sorted(recs))} | {top['batch'] if top else '-'} "
             f"| {cell(top['decode_tokens_per_s'] if top else None)} "
             f"| {stop_reason(recs, planned_batches(model, ctx, v) if t == 20 else ())} |"
         )
+    return lines
+
+
+def mixed_contexts(d: Data) -> list[str]:
+    """Uniform against mixed contexts (``--mixed-contexts``), point by point: the same point
+    measured twice in one run, every request at the context, then each request at its own
+    context; [] when no mixed point was measured."""
+    mixed = sorted(
+        (k for k in d.sweeps if k[6] == plan.MIXED),
+        key=lambda k: (k[0], k[1], k[2], k[4] or 1e9, k[5], k[3] or 0),
+    )
+    if not mixed:
+        return []
+    lines = ["## Uniform vs mixed contexts", "",
+             "Points measured twice in one run, one after the other: every request at the context (uniform: one KV length), then request i of n at its own context, round(i x span / (n - 1)) blocks shorter, span = context // 2 // block size (mixed: from the context down to about half of it, each row its own KV length, as served requests; same engine, T and pool).", "",
+             "| model | ctx | variant | budget | cap | T | bs | mixed mean / min ctx | uniform tok/s | mixed tok/s | mixed / uniform | uniform fwd ms | mixed fwd ms | uniform main s/block | mixed main s/block |",
+             "| --- |" + " --- |" * 14]  # fmt: skip
+    for key in mixed:
+        model, ctx, v, budget, cap, t, _ = key
+        uniform = d.sweeps.get((*key[:6], plan.UNIFORM), {})
+        for bs, m in sorted(d.sweeps[key].items()):
+            u = uniform.get(bs)
+            um, mm = (r if r and r["status"] == "ok" else None for r in (u, m))
+            ut, mt = (r["decode_tokens_per_s"] if r else None for r in (um, mm))
+            uf, mf = (r["forward_median_s"] * 1e3 if r else None for r in (um, mm))
+            lines.append(
+                f"| {plan.model_name(model)} | {ctx} | {v} | {cell(budget, '.3f') if budget else '-'} | {cap or '-'} | {t} | {bs} "
+                f"| {cell(m.get('mean_context'))} / {m.get('min_context', '-')} "
+                f"| {cell(ut) if um or not u else u['status']} | {cell(mt) if mm else m['status']} "
+                f"| {cell(mt / ut if mt and ut else None, '.2f')} | {cell(uf, '.1f')} | {cell(mf, '.1f')} "
+                f"| {cell(mean_of(block_stat(um, 'block_main_s')), '.2f')} | {cell(mean_of(block_stat(mm, 'block_main_s')), '.2f')} |"
+            )
     return lines
