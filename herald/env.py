@@ -31,7 +31,8 @@ variable                       meaning
                                fused MoE router of bf16/fp16 models), ``all`` (also the fused MoE
                                experts, the dense cache, prefill chunks and the router of float32
                                models) or ``0`` (none: PyTorch routing, grouped-GEMM MoE and SDPA)
-``HERALD_ALLOW_LONG_CONTEXT``  ``1``: ``herald serve --max-seq-len`` may exceed the model's
+``HERALD_ALLOW_LONG_CONTEXT``  ``1`` (or true/yes/on; 0/false/no/off/unset: off): ``herald
+                               serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),
                                as vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; else it is capped there
 =============================  ==================================================================
@@ -81,6 +82,17 @@ def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: s
     return value
 
 
+def _flag(env: dict[str, str], name: str) -> bool:
+    """A boolean switch: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/unset
+    (any case); anything else is an error."""
+    raw = env.get(name, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}; expected 1/true/yes/on or 0/false/no/off")
+
+
 def _threads(env: dict[str, str]) -> int | None:
     raw = env.get("HERALD_SELECTION_THREADS", "").strip()
     if not raw:
@@ -127,7 +139,7 @@ def parse(env: dict[str, str]) -> Settings:
         compile=env.get("HERALD_COMPILE", "1").strip() != "0",
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
-        allow_long_context=env.get("HERALD_ALLOW_LONG_CONTEXT", "0").strip() == "1",
+        allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
     )
 
 

@@ -98,10 +98,11 @@ def _pcts(d: dict[str, float | None]) -> str:
 
 
 def mean_batch(lv: dict[str, Any]) -> float | None:
-    """The engine's mean batch size over a level's steps (its ``server_deltas``), None
-    without them."""
+    """The engine's mean batch size over a level's decode forwards (its ``server_deltas``;
+    records before the forward counter: over its steps, which also count the steps that only
+    prefilled), None without them."""
     d = lv.get("server_deltas") or {}
-    steps = d.get("herald_engine_step_seconds_count")
+    steps = d.get("herald_decode_forwards_total", d.get("herald_engine_step_seconds_count"))
     rows = d.get("herald_batch_rows_total")
     return rows / steps if steps and rows is not None else None
 

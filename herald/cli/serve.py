@@ -47,7 +47,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
             dest=name,
             type=int,
             default=getattr(D, name),
-            help=engine_help(name) + " (default: %(default)s)",
+            help=engine_help(name)
+            + (
+                "; at most the model's context (max_position_embeddings) unless "
+                "HERALD_ALLOW_LONG_CONTEXT=1"
+                if name == "max_seq_len"
+                else ""
+            )
+            + " (default: %(default)s)",
         )
     s.add_argument(
         "--max-waiting",

@@ -241,6 +241,7 @@ class Engine(ABC):
             self.stats.prefill_seconds += time.perf_counter() - t0
             self.stats.num_prefill_tokens += chunk.end - chunk.start
             if chunk.last:
+                self.stats.num_prompt_tokens += chunk.request.prompt_len
                 self._join(chunk)
 
     def _forwards_per_boundary(self) -> int:

@@ -111,6 +111,7 @@ class DenseEngine(Engine):
         finished = [self.batch.requests[i] for i in finished_rows]
         self._release_rows(finished_rows)
         self.stats.num_forwards += 1
+        self.stats.num_batch_rows += len(input_ids)
         self.stats.step_batch_sizes.append(len(input_ids))
         dt = time.perf_counter() - t0
         self.stats.step_seconds.append(dt)

@@ -38,8 +38,14 @@ class EngineStats:
     engine (its rows are not in lockstep)."""
 
     num_prefill_tokens: int = 0
+    """Prompt tokens run through prefill forwards (whole blocks: a prompt's last, partial block
+    is decoded with its first generated block)."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests that joined the batch (whole prompts)."""
     num_generated_tokens: int = 0
     num_forwards: int = 0
+    num_batch_rows: int = 0
+    """Rows of every decode forward, summed (over ``num_forwards``: the mean batch size)."""
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     step_batch_sizes: list[int] = field(default_factory=list)

@@ -307,9 +307,10 @@ class OffloadEngine(Engine):
         t0 = time.perf_counter()
         if self._block_step == 0 and not self._in_commit:
             self._block_t0 = t0
-        prefill0 = self.stats.prefill_seconds
+        prefill0, rows = self.stats.prefill_seconds, len(self.batch)
         finished = self._commit() if self._in_commit else self._denoise_step()
         self.stats.num_forwards += 1
+        self.stats.num_batch_rows += rows
         # The commit ends with the next boundary's prefill (_admit), counted as prefill only.
         prefill = self.stats.prefill_seconds - prefill0
         self.stats.decode_seconds += time.perf_counter() - t0 - prefill

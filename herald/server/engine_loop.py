@@ -49,16 +49,17 @@ RATE_WINDOW_SECONDS = 10.0
 """Generated and prompt tokens/s on ``/metrics`` are measured over this trailing window."""
 
 
-def window_rate(recent: deque[tuple[float, int]], now: float, min_span: float = 1e-6) -> float:
+def window_rate(recent: deque[tuple[float, int]], now: float, start: float | None) -> float:
     """Tokens per second of ``recent`` ((step end time, tokens) in time order) over the trailing
-    :data:`RATE_WINDOW_SECONDS`: the tokens of the steps that ended in the window over the time
-    since the first of them ended, at least ``min_span`` seconds; 0 once no step ended in the
-    window. Entries older than the window are dropped from ``recent``."""
+    :data:`RATE_WINDOW_SECONDS`: the tokens of the steps that ended in the window over the
+    window, or over the time since ``start`` (the first step began) when that is shorter; 0
+    once no step ended in the window. Entries older than the window are dropped from
+    ``recent``."""
     while recent and now - recent[0][0] > RATE_WINDOW_SECONDS:
         recent.popleft()
-    if not recent:
+    if not recent or start is None:
         return 0.0
-    span = max(now - recent[0][0], min_span, 1e-6)
+    span = max(min(RATE_WINDOW_SECONDS, now - start), 1e-6)
     return sum(n for _, n in recent) / span
 
 
@@ -131,6 +132,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="herald-engine", daemon=True)
         self._recent: deque[tuple[float, int]] = deque()  # (step end, generated tokens)
+        self._rate_start: float | None = None  # when the first step began
         self._recent_prompt: deque[tuple[float, int]] = deque()  # (step end, prompt tokens)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -265,15 +267,15 @@ class EngineLoop:
         if step_seconds is not None:
             self._observe(step_seconds, new_tokens)
 
-    def generation_rate(self, now: float, min_span: float = 1e-6) -> float:
+    def generation_rate(self, now: float) -> float:
         """Generated tokens per second over the trailing window (engine thread):
         :func:`window_rate` of the steps' generated tokens."""
-        return window_rate(self._recent, now, min_span)
+        return window_rate(self._recent, now, self._rate_start)
 
-    def prompt_rate(self, now: float, min_span: float = 1e-6) -> float:
-        """Prompt tokens prefilled per second over the trailing window (engine thread):
-        :func:`window_rate` of the steps' prompt tokens."""
-        return window_rate(self._recent_prompt, now, min_span)
+    def prompt_rate(self, now: float) -> float:
+        """Prompt tokens of the requests that joined the batch, per second over the trailing
+        window (engine thread): :func:`window_rate` of the steps' prompt tokens."""
+        return window_rate(self._recent_prompt, now, self._rate_start)
 
     def _observe_idle(self) -> None:
         """No step ran: the rate gauges still decay over the window."""
@@ -283,40 +285,48 @@ class EngineLoop:
             self.metrics.prefill_tokens_per_second.set(self.prompt_rate(now))
 
     @staticmethod
-    def _totals(st: EngineStats) -> tuple[int, float, float]:
-        return st.num_prefill_tokens, st.prefill_seconds, st.decode_seconds
+    def _totals(st: EngineStats) -> tuple[float, ...]:
+        """(prompt tokens, prefill s, decode s, batch rows, forwards) of ``st``."""
+        return (
+            st.num_prompt_tokens, st.prefill_seconds, st.decode_seconds, st.num_batch_rows,
+            st.num_forwards,
+        )  # fmt: skip
 
-    def _stats_deltas(self) -> tuple[list[BlockTiming], tuple[int, float, float]]:
-        """The blocks recorded and the (prompt tokens, prefill s, decode s) added to
-        ``engine.stats`` since the last call. A stats object other than the last one seen (the
+    def _stats_deltas(self) -> tuple[list[BlockTiming], tuple[float, ...]]:
+        """The blocks recorded and the :meth:`_totals` added to ``engine.stats`` since the last
+        call. A stats object other than the last one seen (the
         engine's counters started again) counts from zero, and so does a count that went down."""
         st = self.engine.stats
         if st is not self._stats:
-            self._stats, self._blocks_seen, self._seen = st, 0, (0, 0.0, 0.0)
+            self._stats, self._blocks_seen = st, 0
+            self._seen = (0,) * len(self._seen)
         total_blocks = st.blocks_dropped + len(st.blocks)
         if total_blocks < self._blocks_seen:
             self._blocks_seen = 0
         new_blocks = st.blocks[max(0, self._blocks_seen - st.blocks_dropped) :]
         self._blocks_seen = total_blocks
-        (tokens, prefill, decode), (tokens0, prefill0, decode0) = self._totals(st), self._seen
-        self._seen = (tokens, prefill, decode)
-        added = (int(_added(tokens, tokens0)), _added(prefill, prefill0), _added(decode, decode0))
+        totals = self._totals(st)
+        added = tuple(_added(new, old) for new, old in zip(totals, self._seen, strict=True))
+        self._seen = totals
         return new_blocks, added
 
     def _observe(self, step_seconds: float, new_tokens: int) -> None:
         now = time.perf_counter()
-        new_blocks, (prompt_tokens, prefill_s, decode_s) = self._stats_deltas()
+        new_blocks, (prompt, prefill_s, decode_s, rows, forwards) = self._stats_deltas()
+        prompt_tokens = int(prompt)
+        if self._rate_start is None:
+            self._rate_start = now - step_seconds
         self._recent.append((now, new_tokens))
         self._recent_prompt.append((now, prompt_tokens))
-        rate = self.generation_rate(now, min_span=step_seconds)
-        prompt_rate = self.prompt_rate(now, min_span=step_seconds)
+        rate = self.generation_rate(now)
+        prompt_rate = self.prompt_rate(now)
         if self.metrics is None:
             return
         eng = self.engine
         self.metrics.observe_step(
             step_seconds, new_tokens, rate, eng.num_running, eng.num_waiting, eng.num_running,
             prompt_tokens=prompt_tokens, prompt_rate=prompt_rate, prefill_seconds=prefill_s,
-            decode_seconds=decode_s,
+            decode_seconds=decode_s, batch_rows=int(rows), forwards=int(forwards),
         )  # fmt: skip
         for b in new_blocks:
             self.metrics.observe_block(b.main, b.retrieval, b.stall)

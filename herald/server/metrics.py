@@ -39,7 +39,8 @@ class ServerMetrics:
         )
         self.tokens_per_second = Gauge(
             "herald_generation_tokens_per_second",
-            "Generated tokens per second over the last 10 s",
+            "Generated tokens in the last 10 s over 10 s (over the time since the first step when "
+            "shorter)",
             registry=r,
         )
         self._add_prefill_and_request_metrics(r)
@@ -57,8 +58,13 @@ class ServerMetrics:
         )
         self.batch_rows = Counter(
             "herald_batch_rows",
-            "Rows in the engine's batch after each step, summed (over herald_engine_step_seconds"
-            "_count: the mean batch size)",
+            "Rows of the engine's decode forwards, summed (over herald_decode_forwards: the mean "
+            "batch size)",
+            registry=r,
+        )
+        self.forwards = Counter(
+            "herald_decode_forwards",
+            "The engine's decode forwards (one per step that ran one)",
             registry=r,
         )
         blocks = {
@@ -94,10 +100,14 @@ class ServerMetrics:
 
     def _add_prefill_and_request_metrics(self, r: CollectorRegistry) -> None:
         """Prompt tokens and their rate, engine prefill / decode seconds, per-request latencies."""
-        self.prompt_tokens = Counter("herald_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter(
+            "herald_prompt_tokens",
+            "Prompt tokens of the requests that joined the batch",
+            registry=r,
+        )
         self.prefill_tokens_per_second = Gauge(
             "herald_prefill_tokens_per_second",
-            "Prompt tokens prefilled per second over the last 10 s",
+            "Prompt tokens of the requests that joined the batch in the last 10 s over 10 s",
             registry=r,
         )
         self.prefill_seconds = Counter(
@@ -138,7 +148,7 @@ class ServerMetrics:
     def observe_step(
         self, seconds: float, new_tokens: int, rate: float, running: int, waiting: int,
         batch_size: int, *, prompt_tokens: int, prompt_rate: float, prefill_seconds: float,
-        decode_seconds: float,
+        decode_seconds: float, batch_rows: int = 0, forwards: int = 0,
     ) -> None:  # fmt: skip
         """One engine step: its time, the tokens it generated and prefilled, the engine seconds
         it added to prefill and decode (all >= 0) and the trailing rates (tokens/s)."""
@@ -152,7 +162,8 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.batch_size.set(batch_size)
-        self.batch_rows.inc(batch_size)
+        self.batch_rows.inc(batch_rows)
+        self.forwards.inc(forwards)
 
     def observe_push(self, since_submit: float, since_last_push: float | None) -> None:
         """A request's tokens were pushed: ``since_last_push`` None for its first push (time to

@@ -174,15 +174,19 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
 def test_generation_rate_covers_the_window_and_decays_to_zero_when_idle(tiny) -> None:
     model, config, _ = tiny
     loop = EngineLoop(make_engine(model, config, None, max_batch_size=1, max_seq_len=64))
+    assert loop.generation_rate(100.0) == 0.0  # no step yet
+    loop._rate_start = 50.0  # the first step began long ago: the rates are over the window
     loop._recent.extend([(100.0, 40), (102.0, 60)])  # two steps ended at t = 100 s and 102 s
-    assert loop.generation_rate(104.0) == pytest.approx(100 / 4.0)
-    assert loop.generation_rate(100.5, min_span=2.0) == pytest.approx(100 / 2.0)
-    assert loop.generation_rate(111.0) == pytest.approx(60 / 9.0)  # the first left the window
+    assert loop.generation_rate(104.0) == pytest.approx(100 / 10.0)
+    assert loop.generation_rate(111.0) == pytest.approx(60 / 10.0)  # the first left the window
     assert loop.generation_rate(113.0) == 0.0  # idle for longer than the window
     loop._recent_prompt.extend([(100.0, 64), (102.0, 0)])  # the prompt rate: the same window
-    assert loop.prompt_rate(104.0) == pytest.approx(64 / 4.0)
+    assert loop.prompt_rate(104.0) == pytest.approx(64 / 10.0)
     assert loop.prompt_rate(111.0) == 0.0  # the prefill left the window; decode steps only
     assert loop.prompt_rate(113.0) == 0.0
+    # a server whose first step began 2 s ago: over those 2 s, not over the whole window
+    loop._rate_start, loop._recent = 98.0, type(loop._recent)([(99.0, 30), (100.0, 20)])
+    assert loop.generation_rate(100.0) == pytest.approx(50 / 2.0)
 
 
 def _value(m: ServerMetrics, name: str) -> float:
@@ -214,7 +218,10 @@ def test_metrics_count_prompt_tokens_engine_seconds_and_request_latencies(tiny, 
     hs = run([40, 72])  # B = 32: 32 + 64 prompt tokens prefilled (the tails in the first block)
     assert all(h.request.status == RequestStatus.FINISHED_LENGTH for h in hs)
     assert engine.stats.num_prefill_tokens - before == 96
-    assert _value(metrics, "herald_prompt_tokens_total") == 96
+    assert _value(metrics, "herald_prompt_tokens_total") == 40 + 72  # whole prompts, as usage
+    # every decode forward ran both rows until the first finished (the same length: together)
+    forwards = _value(metrics, "herald_decode_forwards_total")
+    assert forwards > 0 and _value(metrics, "herald_batch_rows_total") == 2 * forwards
     assert _value(metrics, "herald_generated_tokens_total") == 128
     assert _value(metrics, "herald_prefill_seconds_total") > 0
     assert _value(metrics, "herald_decode_seconds_total") > 0
@@ -230,10 +237,10 @@ def test_metrics_count_prompt_tokens_engine_seconds_and_request_latencies(tiny, 
     engine.stats = EngineStats()  # the engine's counters start again (as after a warm-up)
     aborted = loop.submit([7] * 10, params, aloop)
     loop.cancel(aborted)  # still waiting: it leaves at once, no latency observed
-    # 160 prompt tokens prefilled: more than the old stats had when replaced (32 + 96), all new
+    # 170 prompt tokens: more than the old stats had when replaced (40 + 40 + 72), all new
     run([170])
     assert aborted.request.status == RequestStatus.FINISHED_ABORTED
-    assert _value(metrics, "herald_prompt_tokens_total") == 96 + 160
+    assert _value(metrics, "herald_prompt_tokens_total") == 40 + 72 + 170
     assert _value(metrics, "herald_decode_seconds_total") > decode
     assert _value(metrics, "herald_time_to_first_token_seconds_count") == 3
     assert _value(metrics, "herald_time_per_output_block_seconds_count") == 6  # 22 + 32 + 10

@@ -128,3 +128,30 @@ def test_max_seq_len_past_the_models_context_is_capped_unless_allowed(monkeypatc
     assert eng.max_seq_len == context * 2
     assert eng.model.rotary.max_positions >= context * 2
     assert "HERALD_ALLOW_LONG_CONTEXT=1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("value", "allowed"),
+    [
+        ("1", True),
+        ("true", True),
+        (" Yes ", True),
+        ("on", True),
+        ("", False),
+        ("0", False),
+        ("false", False),
+        ("off", False),
+    ],  # fmt: skip
+)
+def test_the_long_context_switch_reads_the_usual_spellings(value: str, allowed: bool) -> None:
+    from herald import env
+
+    assert env.parse({"HERALD_ALLOW_LONG_CONTEXT": value}).allow_long_context is allowed
+    assert env.parse({}).allow_long_context is False
+
+
+def test_a_long_context_switch_it_does_not_understand_is_an_error() -> None:
+    from herald import env
+
+    with pytest.raises(ValueError, match="HERALD_ALLOW_LONG_CONTEXT='2'; expected 1/true"):
+        env.parse({"HERALD_ALLOW_LONG_CONTEXT": "2"})
