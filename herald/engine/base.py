@@ -155,7 +155,8 @@ class Engine(ABC):
         """One line for a start-up log: the mode and where the KV lives."""
         u = self.usage()
         return (
-            f"{self.mode} engine: {u.gpu_slots_total} GPU KV slots of {self.max_seq_len} tokens, "
+            f"{self.mode} engine: {u.gpu_slots_total} KV slots on {self.device} of "
+            f"{self.max_seq_len} tokens, "
             f"{u.gpu_kv_bytes / 2**30:.2f} GiB"
         )
 

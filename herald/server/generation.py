@@ -182,7 +182,8 @@ async def make_choices(
             return error_response(400, f"{which} is empty", param="prompt")
         if len(ids) >= ctx:
             return error_response(
-                400, f"{which} is {len(ids)} tokens, the server's max context is {ctx}",
+                400, f"{which} is {len(ids)} tokens; the server's max context is {ctx} tokens, "
+                "prompt and generated tokens together (at least one generated)",
                 param="prompt", code="context_length_exceeded",
             )  # fmt: skip
         max_tokens = max_tokens_for(state, body, len(ids), chat=chat)

@@ -137,13 +137,14 @@ def banner(app: FastAPI, url: str) -> str:
     state: ServerState = app.state.herald
     eng = state.engine_loop.engine
     mode = eng.mode if eng.mode == "dense" else f"{eng.mode} (kv budget {eng.kv_budget:g})"
-    waiting = eng.scheduler.max_waiting
+    waiting, budget = eng.scheduler.max_waiting, eng.scheduler.max_prefill_tokens
     warmed = getattr(app.state, "herald_warmup", None)
     return (
         f"herald serve ready on {url}: model {state.model_name}, mode {mode}, device "
         f"{eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, max batch size "
         f"{eng.max_batch_size}, max seq len {eng.max_seq_len}, "
-        f"max waiting {'unbounded' if waiting is None else waiting}; {eng.describe()}"
+        f"max waiting {'unbounded' if waiting is None else waiting}, prefill budget "
+        f"{'unbounded' if budget is None else f'{budget} tokens per forward'}; {eng.describe()}"
         + ("; no warm-up" if warmed is None else f"; warm-up {warmed.describe()}")
         + ("; API key required on /v1" if state.api_key else "")
     )

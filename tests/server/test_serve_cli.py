@@ -110,7 +110,8 @@ def test_serve_prints_a_banner_when_ready_and_serves():
             "max batch size 2",
             "max seq len 512",
             "; warm-up ",
-            "GPU KV slots",
+            "KV slots on cpu",
+            "prefill budget 4096 tokens per forward",
         ):
             assert part in line, line
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
