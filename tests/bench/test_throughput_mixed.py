@@ -163,17 +163,10 @@ def test_mixed_twins_plan_like_their_uniform_sweeps(tmp_path):
     sweep at the uniform sweep's peak batch and is done only by mixed records."""
     from dataclasses import replace
 
-    from herald.bench import throughput_plan as plan
-    from herald.bench.throughput_run import Runner
     from tests.bench.test_throughput_plan import _point as plan_point
+    from tests.bench.test_throughput_plan import runner_of_the_whole_plan
 
-    args = throughput.build_parser().parse_args(
-        ["--plan", "all", "--device", "cpu", "--out", str(tmp_path), "--mixed-contexts"]
-    )
-    sweeps = plan.build_plan("all")
-    run = Runner(args, sweeps, sweeps)
-    by = {(s.figure, s.context, s.variant, s.steps, s.gpu_cap_gb): s for s in sweeps
-          if s.model == LLADA}  # fmt: skip
+    run, by = runner_of_the_whole_plan(tmp_path, "--mixed-contexts")
     t20 = by[("table2", K32, "herald", 20, CAP_H100)]
     t8 = by[("fig14", K32, "herald", 8, CAP_H100)]
     m20, m8 = run.twins(t20)[1], run.twins(t8)[1]

@@ -64,14 +64,20 @@ def _point(sweep, batch, status="ok", tps=100.0):
             "decode_tokens_per_s": tps, **setting}  # fmt: skip
 
 
-def test_runner_resolves_peaks_and_reuses_uncapped_sweeps(tmp_path):
+def runner_of_the_whole_plan(tmp_path, *flags):
+    """A Runner of ``--plan all`` (CPU, ``flags`` added) and its LLaDA2.0-mini sweeps by
+    (figure, context, variant, steps, GPU cap)."""
     args = throughput.build_parser().parse_args(
-        ["--plan", "all", "--device", "cpu", "--out", str(tmp_path)]
+        ["--plan", "all", "--device", "cpu", "--out", str(tmp_path), *flags]
     )
     sweeps = plan.build_plan("all")
-    run = Runner(args, sweeps, sweeps)
     by = {(s.figure, s.context, s.variant, s.steps, s.gpu_cap_gb): s for s in sweeps
           if s.model == LLADA}  # fmt: skip
+    return Runner(args, sweeps, sweeps), by
+
+
+def test_runner_resolves_peaks_and_reuses_uncapped_sweeps(tmp_path):
+    run, by = runner_of_the_whole_plan(tmp_path)
     t20 = by[("table2", K32, "herald", 20, CAP_H100)]
     t8 = by[("fig14", K32, "herald", 8, CAP_H100)]
     whole = by[("table2", K32, "herald", 20, None)]
