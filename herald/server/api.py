@@ -57,6 +57,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="herald", version=herald.__version__, lifespan=lifespan)
     app.state.herald = state
+    app.add_middleware(_CountRefusals, metrics=state.metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -78,6 +79,30 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generation_routes(app, state, auth)
     _add_tokenizer_routes(app, state, auth)
     return app
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class _CountRefusals:
+    """Counts the generation requests answered 400 or 422 (the request itself is wrong) as
+    outcome ``invalid`` of ``herald_requests``. A plain ASGI wrapper of ``send``: it reads
+    nothing and leaves ``receive`` (and so the client's disconnect) to the route."""
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (400, 422):
+                self.metrics.requests.labels("invalid").inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def _auth_dependency(state: ServerState) -> Any:

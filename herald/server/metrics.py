@@ -51,7 +51,10 @@ class ServerMetrics:
             registry=r,
         )
         self.requests = Counter(
-            "herald_requests", "HTTP generation requests by outcome", ["outcome"], registry=r
+            "herald_requests",
+            "HTTP generation requests by outcome (ok, error, aborted, rejected: 503, invalid: 400)",
+            ["outcome"],
+            registry=r,
         )
         self.batch_size = Gauge(
             "herald_batch_size", "Rows in the engine's batch after the last step", registry=r

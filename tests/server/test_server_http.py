@@ -418,3 +418,25 @@ def test_burst_fills_free_slots_before_the_queue_and_client_conveniences() -> No
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
     finally:
         srv.close()
+
+
+def test_refused_generation_requests_are_counted_as_invalid(server: LiveServer) -> None:
+    """400s of the generation routes (bad field, bad type, a prompt over the context) count as
+    outcome invalid; other routes' answers and good requests do not."""
+
+    def invalid(c: httpx.Client) -> float:
+        for ln in c.get("/metrics").text.splitlines():
+            if ln.startswith('herald_requests_total{outcome="invalid"}'):
+                return float(ln.split()[1])
+        return 0.0
+
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as c:
+        before = invalid(c)
+        bad = [{"prompt": "x", "max_tokens": 4, "best_of": 2}, {"prompt": "x", "max_tokens": "4"}]
+        for body in bad:
+            assert c.post("/v1/completions", json=body).status_code == 400
+        long = {"messages": [{"role": "user", "content": "y " * 4000}], "max_tokens": 4}
+        assert c.post("/v1/chat/completions", json=long).status_code == 400
+        assert c.post("/tokenize", json={"prompt": 5}).status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 4}).status_code == 200
+        assert invalid(c) == before + 3
