@@ -127,7 +127,7 @@ def test_a_mixed_point_that_does_not_fit_ends_its_own_sweep(tmp_path, monkeypatc
 def test_the_report_keeps_mixed_points_out_of_the_uniform_tables(tmp_path):
     """Mixed points of the Table II sweeps, faster than the uniform ones: every table but the
     sweeps, the points and their own section renders as without them."""
-    from tests.bench.test_throughput_report import _point, write_fixture
+    from test_throughput_report import _point, write_fixture
 
     plain, mixed = tmp_path / "plain", tmp_path / "mixed"
     for out in (plain, mixed):
@@ -163,8 +163,8 @@ def test_mixed_twins_plan_like_their_uniform_sweeps(tmp_path):
     sweep at the uniform sweep's peak batch and is done only by mixed records."""
     from dataclasses import replace
 
-    from tests.bench.test_throughput_plan import _point as plan_point
-    from tests.bench.test_throughput_plan import runner_of_the_whole_plan
+    from test_throughput_plan import _point as plan_point
+    from test_throughput_plan import runner_of_the_whole_plan
 
     run, by = runner_of_the_whole_plan(tmp_path, "--mixed-contexts")
     t20 = by[("table2", K32, "herald", 20, CAP_H100)]
