@@ -239,11 +239,14 @@ class Engine(ABC):
                 for c in chunks[i:]:
                     self._fail_request(c.request, exc)
                 raise
-            self.stats.prefill_seconds += time.perf_counter() - t0
             self.stats.num_prefill_tokens += chunk.end - chunk.start
             if chunk.last:
                 self.stats.num_prompt_tokens += chunk.request.prompt_len
+                # Prefill time too: an offloading engine's join moves the prompt's KV to the CPU
+                # pool and selects the first block.
                 self._join(chunk)
+                self._sync()
+            self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _forwards_per_boundary(self) -> int:
         """Decode forwards of the running batch per block boundary, the scale of the prefill

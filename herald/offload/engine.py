@@ -307,13 +307,13 @@ class OffloadEngine(Engine):
         t0 = time.perf_counter()
         if self._block_step == 0 and not self._in_commit:
             self._block_t0 = t0
-        prefill0, rows = self.stats.prefill_seconds, len(self.batch)
-        finished = self._commit() if self._in_commit else self._denoise_step()
+        rows, boundary = len(self.batch), self._in_commit
+        finished = self._commit() if boundary else self._denoise_step()
         self.stats.num_forwards += 1
         self.stats.num_batch_rows += rows
-        # The commit ends with the next boundary's prefill (_admit), counted as prefill only.
-        prefill = self.stats.prefill_seconds - prefill0
-        self.stats.decode_seconds += time.perf_counter() - t0 - prefill
+        self.stats.decode_seconds += time.perf_counter() - t0
+        if boundary:
+            self._admit()  # the block boundary's prefill and joins (counted as prefill)
         return finished
 
     def _prepare(self, length: int = 0, draft_group: bool = False) -> None:
@@ -394,7 +394,6 @@ class OffloadEngine(Engine):
         self._leave()
         self._block_forwards = self._block_step + 1
         self._in_commit, self._block_step = False, 0
-        self._admit()
         return []
 
     def _swap_pools(self, blocks: torch.Tensor, k_next: list[int]) -> None:

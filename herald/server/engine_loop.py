@@ -172,10 +172,9 @@ class EngineLoop:
         (queue full) or :class:`EngineDeadError`."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine failed and stopped: {self.dead}")
-        submitted = time.perf_counter()
         with self._lock:
             request = self.engine.add_request(prompt_ids, params)
-            handle = Handle(request, loop, scores=scores, submitted=submitted)
+            handle = Handle(request, loop, scores=scores)
             self._live.append(handle)
         self._wake.set()
         return handle
