@@ -1,9 +1,10 @@
 """End-to-end load benchmark of ``herald serve`` over loopback.
 
-``herald bench serve`` (or ``python -m herald.bench.serve``) starts the real server in this
-process (uvicorn on 127.0.0.1, a free port; the engine flags as ``herald serve``'s), or with
-``--url`` uses a server already running, and loads it through the official ``openai`` client:
-streaming completions of real text from the local Python standard library, cut to exactly
+``herald bench serve`` (or ``python -m herald.bench.serve``) starts the real server, ``herald
+serve`` in a child process (127.0.0.1, a free port; the engine flags as ``herald serve``'s; its
+output in ``OUT/server.log``; ``--server thread`` runs it in a thread of this process instead),
+or with ``--url`` uses a server already running, and loads it through the official ``openai``
+client: streaming completions of real text from the local Python standard library, cut to exactly
 ``--prompt-tokens`` of the model's tokens (:mod:`herald.bench.serve_prompts`), one load level per
 ``--concurrency`` value and prompt length, ``--requests`` per level, each level cut off after
 ``--duration-limit-s`` (the requests left are cancelled and counted). Each level reports
@@ -52,10 +53,12 @@ from herald.bench.serve_report import (
     write_readme,
 )
 from herald.bench.serve_run import (
+    ChildServer,
     InProcessServer,
     Plan,
     Records,
     level_head,
+    load_served_model,
     run_levels,
     run_points,
 )
@@ -67,7 +70,7 @@ from herald.env import settings
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
 _SERVER_FLAGS = ("mode", "device", "dtype", *_POOL_FLAGS, "max_batch_size", "max_seq_len",
-                 "max_prefill_tokens")  # fmt: skip
+                 "max_prefill_tokens", "server")  # fmt: skip
 """Flags of the server this benchmark starts (refused with ``--url``)."""
 
 
@@ -159,6 +162,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--throughput-point",
         action="store_true",
         help="also measure herald bench throughput's point of each level",
+    )
+    p.add_argument(
+        "--server",
+        choices=("process", "thread"),
+        default=None,
+        help="run the server started here as `herald serve` in a child process (default: as a "
+        "user runs it, its output in OUT/server.log) or in a thread of this process, whose "
+        "streaming clients then share the server's interpreter lock (slower, fewer processes)",
     )
     p.add_argument("--out", type=Path, required=True, help="folder of serve_bench.jsonl, README")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -279,6 +290,7 @@ def check_args(args: argparse.Namespace) -> Plan:
         dtype = resolve_dtype(mode, args.dtype, device)
         offload, engine, context = _server_config(args, mode, config)
         plan = Plan(args, device, dtype, mode, offload, engine, context)
+    plan.block_size = config.block_size
     source = StdlibPrompts(tok, seed=args.seed)
     n = max(max(plan.requests(c) for c in args.concurrency), args.warmup_requests)
     plan.prompts = {p: [source.prompt(p, i) for i in range(n)] for p in args.prompt_tokens}
@@ -289,10 +301,14 @@ def check_args(args: argparse.Namespace) -> Plan:
 def run(args: argparse.Namespace) -> int:
     plan = check_args(args)
     records = Records(args.out)
-    server = None
+    server: ChildServer | InProcessServer | None = None
     if args.url is None:
-        log(f"starting herald serve: {args.model}, {plan.mode}, {plan.device}")
-        server = InProcessServer(plan)
+        where = args.server or "process"
+        log(f"starting herald serve ({where}): {args.model}, {plan.mode}, {plan.device}")
+        if where == "process":
+            server = ChildServer(plan, args.out / "server.log")
+        else:
+            server = InProcessServer(plan)
         url = server.start()
     else:
         url = args.url.rstrip("/")
@@ -308,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
         failed = run_levels(plan, url, head, records)
     finally:
         net_config = server.stop() if server is not None else None
-    if args.throughput_point and net_config is not None:
-        run_points(plan, *net_config, head, records)
+    if args.throughput_point and server is not None:
+        run_points(plan, *(net_config or load_served_model(plan)), head, records)
     (this,) = [r for r in group_runs(load_records(args.out)) if r["levels"]
                and r["levels"][0]["run_id"] == records.run_id]  # fmt: skip
     records.add({"kind": "summary", "rows": comparison(this["levels"], this["points"])})

@@ -1,13 +1,19 @@
-"""The running side of ``herald bench serve`` (:mod:`herald.bench.serve`): the server started
-in this process, the records, the load levels and the throughput points beside them."""
+"""The running side of ``herald bench serve`` (:mod:`herald.bench.serve`): the server it starts
+(``herald serve`` in a child process, or in a thread of this one), the records, the load levels
+and the throughput points beside them."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime as _dt
 import gc
 import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +57,8 @@ class Plan:
     prompts: dict[int, list[Prompt]] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     """Where the prompts come from (:meth:`StdlibPrompts.describe`)."""
+    block_size: int = 0
+    """The model's block size B."""
 
     def requests(self, concurrency: int) -> int:
         return self.args.requests or 2 * concurrency
@@ -99,7 +107,8 @@ class InProcessServer:
         e = self.engine
         return {"max_batch_size": e.max_batch_size, "max_seq_len": e.max_seq_len,
                 "max_prefill_tokens": e.max_prefill_tokens, "max_waiting": e.scheduler.max_waiting,
-                "block_size": e.config.block_size, "kv_pad": e.engine_config.kv_pad}  # fmt: skip
+                "block_size": e.config.block_size, "kv_pad": e.engine_config.kv_pad,
+                "process": "thread"}  # fmt: skip
 
     def stop(self) -> tuple[Any, Any]:
         """Stop the server (its engine closed); the served model and its config."""
@@ -113,6 +122,100 @@ class InProcessServer:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return net, config
+
+
+_DTYPE_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_READY = re.compile(r"herald serve ready on (http://\S+?):? ")
+
+
+def serve_command(plan: Plan) -> list[str]:
+    """The ``herald serve`` command line of the plan's server (127.0.0.1, a port the system
+    picks), every engine setting spelled out."""
+    a, e = plan.args, plan.engine
+    assert e is not None
+    cmd = [sys.executable, "-m", "herald", "serve", "--model", str(a.model),
+           "--device", str(plan.device), "--mode", plan.mode, "--host", "127.0.0.1",
+           "--port", "0", "--seed", str(a.seed), "--max-batch-size", str(e.max_batch_size),
+           "--max-seq-len", str(e.max_seq_len), "--max-waiting", str(e.max_waiting),
+           "--max-prefill-tokens", str(e.max_prefill_tokens),
+           "--kv-pad", str(e.kv_pad)]  # fmt: skip
+    if plan.dtype is not None:
+        cmd += ["--dtype", _DTYPE_FLAGS[plan.dtype]]
+    if plan.offload is not None:
+        cmd += ["--kv-budget", repr(plan.offload.kv_budget)]
+        for flag, value in (("--cpu-kv-gb", a.cpu_kv_gb), ("--cpu-kv-tokens", a.cpu_kv_tokens)):
+            if value is not None:
+                cmd += [flag, str(value)]
+    return cmd
+
+
+class ChildServer:
+    """``herald serve`` in a process of its own, as a user runs it: its engine thread then
+    shares its interpreter with nothing but the server, not with this process's streaming
+    clients (with 32 clients in one process the served decode ran ~1.7x slower on the GPU
+    machine). Its output goes to ``log_path``; its ready line gives the URL."""
+
+    def __init__(self, plan: Plan, log_path: Path):
+        self.plan, self.log_path = plan, log_path
+        self.cmd = serve_command(plan)
+        self.proc: subprocess.Popen[str] | None = None
+        self.url: str | None = None
+        self._ready = threading.Event()
+        self._tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._drain, name="herald-serve-log", daemon=True)
+        self._reader.start()
+        self._ready.wait(START_TIMEOUT_S)
+        if self.url is None:
+            self.stop()
+            tail = "".join(self._tail).strip()
+            raise RuntimeError(f"the server did not start (its output is in {self.log_path})"
+                               + (f":\n{tail}" if tail else ""))  # fmt: skip
+        return self.url
+
+    def _drain(self) -> None:
+        """Copy the server's output into the log until it exits (its pipe never fills)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        with self.log_path.open("a") as log_file:
+            log_file.write(f"$ {' '.join(self.cmd)}\n")
+            for line in self.proc.stdout:
+                log_file.write(line)
+                log_file.flush()
+                self._tail.append(line)
+                m = _READY.search(line)
+                if m is not None and self.url is None:
+                    self.url = m.group(1)
+                    self._ready.set()
+        self._ready.set()  # exited: start() stops waiting
+
+    def describe(self) -> dict[str, Any]:
+        e = self.plan.engine
+        assert e is not None
+        return {"max_batch_size": e.max_batch_size, "max_seq_len": e.max_seq_len,
+                "max_prefill_tokens": e.max_prefill_tokens, "max_waiting": e.max_waiting,
+                "block_size": self.plan.block_size, "kv_pad": e.kv_pad,
+                "process": "child"}  # fmt: skip
+
+    def stop(self) -> None:
+        """SIGINT (a graceful shutdown), then SIGKILL if it is still running after 120 s."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=10)
 
 
 # -- the levels ---------------------------------------------------------------------------------
@@ -218,6 +321,19 @@ def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> 
                 f"{engine['engine_prefill_s'] or 0:.2f} s of prefill), "
                 f"{s['prompt_tokens_per_s'] or 0:.1f} prompt tok/s")  # fmt: skip
     return failed
+
+
+def load_served_model(plan: Plan) -> tuple[Any, Any]:
+    """The served model and its config, built in this process for the throughput points when
+    the server ran in a child process (a preset's random weights come from ``--seed``, so they
+    are the served ones), with the positions the server had."""
+    from herald.models.loader import load_model
+
+    a = plan.args
+    net, config, _ = load_model(a.model, device=plan.device, dtype=plan.dtype,
+                                random_init_seed=a.seed)  # fmt: skip
+    net.ensure_max_positions(plan.context)
+    return net, config
 
 
 def run_points(plan: Plan, net: Any, config: Any, head: dict[str, Any], records: Records) -> None:

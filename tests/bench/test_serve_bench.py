@@ -6,6 +6,7 @@ no assertion on how fast anything ran."""
 from __future__ import annotations
 
 import json
+import sys
 import sysconfig
 import threading
 import time
@@ -63,6 +64,10 @@ def test_two_levels_of_stdlib_prompts(tmp_path: Path, capsys: pytest.CaptureFixt
         assert lv["engine_prefill_s"] > 0 and lv["engine_decode_s"] > 0
         assert lv["served_tokens_per_s"] > lv["generated_tokens_per_s"]
         assert lv["context"] == 96 + 64
+        assert lv["server"]["process"] == "child"  # herald serve in a process of its own
+    log_text = (tmp_path / "server.log").read_text()
+    assert log_text.startswith("$ ") and " -m herald serve --model code-sdar " in log_text
+    assert "herald serve ready on http://127.0.0.1:" in log_text
     assert summary["kind"] == "summary" and summary["run_id"] == levels[0]["run_id"]
     assert [r["concurrency"] for r in summary["rows"]] == [1, 3]
     for row, lv in zip(summary["rows"], levels, strict=True):
@@ -96,13 +101,22 @@ def _check_prompts(prompts: dict[str, Any], n: int) -> None:
         assert text.startswith(tok.decode(p.token_ids).rstrip("\ufffd"))
 
 
-@pytest.mark.parametrize(("mode", "variant"), [("dense", "dense"), ("herald", "herald-selected")])
-def test_the_throughput_point_beside_each_level(mode: str, variant: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "variant", "server"),
+    [("dense", "dense", "process"), ("herald", "herald-selected", "thread")],
+)
+def test_the_throughput_point_beside_each_level(
+    mode: str, variant: str, server: str, tmp_path: Path
+) -> None:
+    """The point is measured on the served model: rebuilt here after a child server, the
+    thread server's own otherwise."""
     argv = ["--model", "tiny-sdar", "--mode", mode, "--prompt-tokens", "64", "--concurrency", "2"]
-    argv += ["--requests", "2", *SMALL, "--throughput-point", "--out", str(tmp_path)]
-    assert serve.main(argv) == 0
+    argv += ["--requests", "2", *SMALL, "--throughput-point", "--server", server]
+    assert serve.main([*argv, "--out", str(tmp_path)]) == 0
     _, level, point, summary = _records(tmp_path)
     assert level["kind"] == "level" and level["completed"] == 2 and level["mode"] == mode
+    assert level["server"]["process"] == {"process": "child", "thread": "thread"}[server]
+    assert (tmp_path / "server.log").exists() == (server == "process")
     assert point["kind"] == "throughput_point" and point["run_id"] == level["run_id"]
     assert (point["prompt_tokens"], point["concurrency"], point["steps"]) == (64, 2, 2)
     assert point["variant"] == variant and point["status"] == "ok", point.get("error")
@@ -295,3 +309,46 @@ def test_a_long_concurrency_one_level_sets_its_first_request_beside_its_last() -
     assert first_vs_last(_level(4, latency_by_request_s=lat)) is None  # not one at a time
     assert first_vs_last(_level(1, latency_by_request_s=lat[:10])) is None  # too few
     assert first_vs_last(_level(1, latency_by_request_s=[*lat, None])) is None  # one failed
+
+
+def test_a_child_server_that_exits_before_ready_is_an_error_with_its_output(
+    tmp_path: Path,
+) -> None:
+    from herald.bench import serve_run
+
+    plan = serve.check_args(serve.build_parser().parse_args(
+        ["--model", "tiny-sdar", "--prompt-tokens", "64", "--concurrency", "1", *SMALL,
+         "--out", str(tmp_path)]
+    ))  # fmt: skip
+    child = serve_run.ChildServer(plan, tmp_path / "server.log")
+    assert child.cmd[1:4] == ["-m", "herald", "serve"] and "--port" in child.cmd
+    child.cmd = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="did not start(.|\\n)*no such model"):
+        child.start()
+    assert child.proc is not None and child.proc.returncode == 3
+    assert "no such model" in (tmp_path / "server.log").read_text()
+
+
+def test_the_child_server_command_is_herald_serve_with_the_engine_settings(tmp_path: Path) -> None:
+    """Every engine setting of the plan reaches herald serve's own parser unchanged."""
+    from herald.bench import serve_run
+    from herald.cli import build_parser as cli_parser
+
+    argv = ["--model", "tiny-sdar", "--mode", "herald", "--kv-budget", "0.1",
+            "--cpu-kv-tokens", "4096", "--prompt-tokens", "64", "--concurrency", "1", "3",
+            "--max-prefill-tokens", "512", *SMALL, "--out", str(tmp_path)]  # fmt: skip
+    plan = serve.check_args(serve.build_parser().parse_args(argv))
+    cmd = serve_run.serve_command(plan)
+    assert cmd[:4] == [sys.executable, "-m", "herald", "serve"]
+    got = cli_parser().parse_args(cmd[3:])
+    e = plan.engine
+    assert e is not None
+    assert (got.model, got.mode, got.kv_budget, got.cpu_kv_tokens) == (
+        "tiny-sdar",
+        "herald",
+        0.1,
+        4096,
+    )
+    assert (got.max_batch_size, got.max_seq_len, got.max_prefill_tokens, got.port) == (
+        e.max_batch_size, e.max_seq_len, 512, 0)  # fmt: skip
+    assert (got.max_waiting, got.kv_pad, got.seed) == (e.max_waiting, e.kv_pad, 0)
