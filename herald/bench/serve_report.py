@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from herald.bench.plotting import pyplot, skipped
+
 JSONL_NAME = "serve_bench.jsonl"
 
 COLUMNS = (
@@ -181,7 +183,12 @@ def run_section(run: dict[str, Any]) -> str:
     """One run: what ran where, its table, and the throughput command beside it."""
     first, head = run["levels"][0], run["head"]
     s = first["server"]
-    where = "in-process server" if first["url"] is None else f"server at {first['url']}"
+    if first["url"] is not None:
+        where = f"server at {first['url']}"
+    elif (first.get("server") or {}).get("process") == "child":
+        where = "herald serve in a child process"
+    else:  # --server thread, and records from before the child process was the default
+        where = "in-process server (clients in the server's process)"
     lines = [
         f"### {first['time_utc']}: {first['model']} on {first['device']} ({first['dtype']})",
         "",
@@ -220,21 +227,73 @@ tok/s: the same generated tokens over the wall time less that prefill time (the 
 served rate); prompt tok/s: the prompts whose first chunk arrived, over the wall time. First
 chunk: request sent to its first chunk with tokens (the first committed block, prefill
 included); between chunks: from one chunk to the next (one per block); latency: request to its
-last chunk, completed requests only. The client runs in the server's process. Throughput bench
-tok/s: `herald bench throughput`'s point for the same model, mode, steps and kv_pad at context =
+last chunk, completed requests only. The clients run in the benchmark's process; the server it
+starts is `herald serve` in a child process, or (each run says which) in a thread of the
+benchmark's process, whose clients then share its interpreter lock. Throughput bench tok/s:
+`herald bench throughput`'s point for the same model, mode, steps and kv_pad at context =
 prompt tokens and batch = concurrency (all requests admitted at once, synthetic prefill, decode
-only, no HTTP), measured in the same process once the server had stopped; '-' where it was not
-asked for (`--throughput-point`). Served / bench: served tok/s over throughput bench tok/s.
+only, no HTTP), measured in the benchmark's process once the server had stopped; '-' where it
+was not asked for (`--throughput-point`). Served / bench: served tok/s over throughput bench tok/s.
 Records: `serve_bench.jsonl` (a line naming the machine, code and command, one line per level,
 one per throughput point, then a summary whose rows set each level's served tok/s beside its
 throughput bench tok/s).
 """
 
 
+PLOT_NAME = "served_vs_bench.png"
+
+
+def _plot_rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[float | None]]]:
+    """Per level with engine counters: its label and (end-to-end, served, engine decode,
+    throughput bench) tok/s."""
+    rows = []
+    for run in runs:
+        for lv, cmp in zip(run["levels"], comparison(run["levels"], run["points"]), strict=True):
+            if cmp["served_tokens_per_s"] is None:
+                continue
+            gen, dec = lv.get("engine_generated_tokens"), lv.get("engine_decode_s")
+            label = (f"{lv['time_utc'][5:16].replace('T', ' ')}\n{lv['mode']} "
+                     f"{round(lv['prompt_tokens'] / 1024)}K x{lv['concurrency']}")  # fmt: skip
+            rows.append((label, [cmp["generated_tokens_per_s"], cmp["served_tokens_per_s"],
+                                 gen / dec if gen and dec else None,
+                                 cmp["bench_tokens_per_s"]]))  # fmt: skip
+    return rows
+
+
+def write_plot(out: Path, runs: list[dict[str, Any]]) -> Path | None:
+    """``out/served_vs_bench.png``: each level's generated tok/s end to end, served tok/s
+    (wall less prefill), the engine's decode rate (its generated tokens over its decode seconds)
+    and the throughput benchmark's point; None without matplotlib or levels with counters."""
+    rows = _plot_rows(runs)
+    plt = pyplot()
+    if plt is None or not rows:
+        if plt is None:
+            skipped("serve report")
+        return None
+    names = ("end to end", "served (wall - prefill)", "engine decode", "throughput bench")
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(rows)), 4.5))
+    width = 0.2
+    for j, name in enumerate(names):
+        xs = [i + (j - 1.5) * width for i in range(len(rows))]
+        ax.bar(xs, [v[j] or 0.0 for _, v in rows], width, label=name)
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows], fontsize=6)
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("herald bench serve: served rates against the throughput benchmark")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / PLOT_NAME
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_readme(out: Path) -> Path:
-    """``out/README.md`` from every record of ``out/serve_bench.jsonl``."""
+    """``out/README.md`` (and its plot, :func:`write_plot`) from every record of
+    ``out/serve_bench.jsonl``."""
     runs = [r for r in group_runs(load_records(out)) if r["levels"]]
     body = "\n\n".join(run_section(r) for r in runs) or "No level recorded yet."
+    if write_plot(out, runs) is not None:
+        body = f"![served vs throughput bench tok/s per level]({PLOT_NAME})\n\n" + body
     path = out / "README.md"
     path.write_text(INTRO + "\n" + body + "\n")
     return path

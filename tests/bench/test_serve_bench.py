@@ -17,9 +17,17 @@ from typing import Any
 import pytest
 
 from herald.bench import serve
+from herald.bench.plotting import pyplot
 from herald.bench.serve_client import engine_deltas, parse_metrics
 from herald.bench.serve_prompts import StdlibPrompts
-from herald.bench.serve_report import comparison, group_runs, load_records, write_readme
+from herald.bench.serve_report import (
+    PLOT_NAME,
+    _plot_rows,
+    comparison,
+    group_runs,
+    load_records,
+    write_readme,
+)
 from herald.bench.serve_report import main as report_main
 from herald.cli import main as cli_main
 from herald.models.loader import bundled_checkpoint, load_config
@@ -266,6 +274,11 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     )
     row1 = next(ln for ln in lines if ln.startswith("| herald | 256 | 1 |"))
     assert "| 60.0 | - | - | - | - | - |" in row1 and row1.endswith("| - | - |")
+    # the plot's bars: only the level with engine counters, its four rates in order
+    (plotted,) = _plot_rows([run])
+    assert plotted == ("01-01 00:00\nherald 0K x4", [60.0, 64.0, None, 80.0])
+    has_plot = (tmp_path / PLOT_NAME).exists()
+    assert has_plot == (pyplot() is not None) == (f"]({PLOT_NAME})" in "\n".join(lines))
 
 
 @pytest.mark.parametrize(
