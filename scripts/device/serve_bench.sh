@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # herald bench serve on the device machine (one H200): end-to-end load on a real herald serve over
-# loopback through the openai client, dense then herald, LLaDA2.0-mini with random weights.
+# loopback through the openai client, dense then herald, LLaDA2.0-mini with random weights. The
+# server runs as a child process (herald bench serve's default; its output in OUT/server.log).
 #
 #   bash scripts/device/serve_bench.sh                  # dense, then --mode herald
 #   MODES=dense bash scripts/device/serve_bench.sh      # one mode
@@ -28,7 +29,7 @@
 # level completes sooner), ~30-60 s of throughput points; each mode is also cut off by timeout at
 # LIMIT seconds (default 250), so the whole call stays under ~8.5 minutes. The records are
 # appended and the README rebuilt after every level, so a mode cut off keeps its finished levels.
-# Files back: gpu.txt, serve_bench.jsonl, README.md, serve_bench.log. Keep them by appending
+# Files back: gpu.txt, serve_bench.jsonl, README.md, serve_bench.log, server.log. Keep them by appending
 # serve_bench.jsonl to results/serve_bench/serve_bench.jsonl and rebuilding its README here:
 # python -m herald.bench.serve_report results/serve_bench.
 # Env: MODES ("dense herald"), PROMPT (16256), CONC ("1 8 32"), MAX_TOKENS (128), STEPS (20),

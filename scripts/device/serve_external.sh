@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# herald bench serve against a separate `herald serve` process (the way a user runs it: the
-# server alone in its process, the clients in another), LLaDA2.0-mini with random weights, on
-# the device machine. serve_bench.sh runs the server in the benchmark's own process instead,
-# where its engine thread shares one interpreter lock with the 32+ streaming clients.
+# herald bench serve --url against a `herald serve` started here by hand (the server alone in
+# its process, the clients in another), LLaDA2.0-mini with random weights, on the device machine:
+# how the child-process default of herald bench serve (serve_bench.sh) was first checked against
+# the in-process server, whose engine thread shared one interpreter lock with 32 streaming
+# clients. It also serves a server whose flags herald bench serve does not set.
 #
 #   MODE=herald CONC="32" bash scripts/device/serve_external.sh
 #
