@@ -35,6 +35,9 @@ variable                       meaning
                                serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),
                                as vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; else it is capped there
+``HERALD_HUGE_PAGES``          ``1`` (default) asks Linux for 2 MiB pages under the CPU KV pool
+                               (``madvise(MADV_HUGEPAGE)``, where transparent huge pages are
+                               enabled); ``0`` leaves it on 4 KiB pages
 =============================  ==================================================================
 """
 
@@ -73,6 +76,7 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)
     triton: str = "auto"
     allow_long_context: bool = False
+    huge_pages: bool = True
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -82,13 +86,15 @@ def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: s
     return value
 
 
-def _flag(env: dict[str, str], name: str) -> bool:
-    """A boolean switch: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/unset
-    (any case); anything else is an error."""
+def _flag(env: dict[str, str], name: str, default: bool = False) -> bool:
+    """A boolean switch: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any
+    case), ``default`` when unset or empty; anything else is an error."""
     raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in ("1", "true", "yes", "on"):
         return True
-    if raw in ("", "0", "false", "no", "off"):
+    if raw in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={raw!r}; expected 1/true/yes/on or 0/false/no/off")
 
@@ -140,6 +146,7 @@ def parse(env: dict[str, str]) -> Settings:
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
         allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
+        huge_pages=_flag(env, "HERALD_HUGE_PAGES", default=True),
     )
 
 

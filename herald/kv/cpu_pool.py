@@ -33,7 +33,9 @@ from types import TracebackType
 
 import torch
 
+from herald.env import settings
 from herald.kv.compact_keys import FIRST_PASS_KINDS, CompactKeys, compact_bytes_per_page
+from herald.kv.hugepages import HUGE_PAGE, advise_huge_pages, anon_huge_bytes
 from herald.kv.pinned import register_pinned, unregister_pinned
 
 __all__ = ["CpuKVPool", "CpuPoolFullError", "page_copy_runs"]
@@ -92,21 +94,32 @@ class CpuKVPool:
         t0 = time.perf_counter()
         # Pageable memory, touched once (zero_ runs on torch's intra-op threads): every page is
         # faulted in before registration, and a never-written slot reads as 0, not NaN garbage.
-        # NOTE: page-aligned start: the registration then splits (every 16 GiB) only at page
-        # boundaries, which are page-slab boundaries too, so no slab spans two registrations
-        # (one DMA across two is rejected by the driver; see herald.kv.pinned).
+        # NOTE: a 2 MiB-aligned start (a huge page's, so a page's too): the registration then
+        # splits (every 16 GiB) only at page boundaries, which are page-slab boundaries too, so
+        # no slab spans two registrations (one DMA across two is rejected by the driver; see
+        # herald.kv.pinned), and the pool starts on a huge page.
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = math.prod(shape)
         try:
-            raw = torch.empty(numel + 4096 // itemsize, dtype=dtype)
+            raw = torch.empty(numel + HUGE_PAGE // itemsize, dtype=dtype)
         except RuntimeError as e:  # the allocator's message names no flag; ours does
             gib = numel * itemsize / _GIB
             raise RuntimeError(
                 f"cannot allocate a {gib:.1f} GiB CPU KV pool ({num_pages} pages): not enough "
                 "memory; give a smaller pool (--cpu-kv-gb or --cpu-kv-tokens)"
             ) from e
-        off = (-raw.data_ptr() % 4096) // itemsize
-        self._storage: torch.Tensor | None = raw[off : off + numel].view(shape).zero_()
+        off = (-raw.data_ptr() % HUGE_PAGE) // itemsize
+        storage = raw[off : off + numel].view(shape)
+        # 2 MiB pages, asked for before the first touch (HERALD_HUGE_PAGES=0: 4 KiB pages).
+        huge0 = anon_huge_bytes()
+        self.huge_pages_advised = settings().huge_pages and advise_huge_pages(
+            storage.data_ptr(), storage.nbytes
+        )
+        self._storage: torch.Tensor | None = storage.zero_()
+        huge1 = anon_huge_bytes()
+        self.huge_page_bytes = None if huge0 is None or huge1 is None else max(0, huge1 - huge0)
+        """Bytes of the process's memory the kernel moved onto huge pages while the pool was
+        touched (the pool's, as nothing else allocates meanwhile; None: not reported)."""
         self.compact: CompactKeys | None = None  # the int8 copy of K (first_pass="int8")
         if first_pass == "int8":
             self.compact = CompactKeys(num_layers, num_pages, num_kv_heads, page_size, head_dim)
@@ -187,8 +200,14 @@ class CpuKVPool:
             f"CPU KV pool: {self.nbytes / _GIB:.2f} GiB {how}, {self.num_pages} pages x "
             f"{self.page_size} tokens = {self.capacity_tokens} tokens ({self.num_layers} layers x "
             f"{self.num_kv_heads} KV heads x {self.head_dim} {dtype}); "
-            f"alloc+touch {self.alloc_seconds:.2f} s, pin {self.pin_seconds:.2f} s"
+            f"alloc+touch {self.alloc_seconds:.2f} s, pin {self.pin_seconds:.2f} s; "
+            f"{self._pages_text()}"
         )
+
+    def _pages_text(self) -> str:
+        if self.huge_page_bytes:
+            return f"{self.huge_page_bytes / _GIB:.2f} GiB on 2 MiB pages"
+        return "2 MiB pages asked for" if self.huge_pages_advised else "4 KiB pages"
 
     # ---- storage ----------------------------------------------------------------------------
 
