@@ -21,7 +21,6 @@ tables the engine thread builds; the allocator is guarded by a lock all the same
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import itertools
 import math
@@ -36,7 +35,7 @@ import torch
 from herald.env import settings
 from herald.kv.compact_keys import FIRST_PASS_KINDS, CompactKeys, compact_bytes_per_page
 from herald.kv.hugepages import HUGE_PAGE, advise_huge_pages, anon_huge_bytes
-from herald.kv.pinned import register_pinned, unregister_pinned
+from herald.kv.pinned import page_copy_runs, register_pinned, unregister_pinned
 
 __all__ = ["CpuKVPool", "CpuPoolFullError", "page_copy_runs"]
 
@@ -463,48 +462,3 @@ class CpuKVPool:
         k = self.k_pages(layer)[page, :, slot].transpose(0, 1).contiguous()  # [n, Hkv, D] -> ...
         v = self.v_pages(layer)[page, :, slot].transpose(0, 1).contiguous()
         return k, v
-
-
-def page_copy_runs(
-    page_ids: Sequence[int], page_bytes: int, boundaries: Sequence[int]
-) -> list[tuple[int, int, int, tuple[int, ...]]]:
-    """Split ``page_ids`` into runs that one copy each can move (:meth:`CpuKVPool.copy_pages`).
-
-    Args:
-        page_ids: page ids in output order; page p occupies bytes ``[p, p + 1) * page_bytes``.
-        page_bytes: bytes per page (> 0).
-        boundaries: byte offsets where one pinned registration ends and the next begins.
-
-    Returns ``[(index into page_ids, first page id, count, cuts)]`` covering ``page_ids`` in
-    order: each run holds consecutive ids and spans no boundary, except a single page that
-    boundaries cut inside: then ``count`` is 1 and ``cuts`` holds their byte offsets within the
-    page (ascending), where its copy must be split. ``cuts`` is empty otherwise.
-    """
-    if page_bytes < 1:
-        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
-    cuts = sorted(set(boundaries))
-    runs: list[tuple[int, int, int, tuple[int, ...]]] = []
-    j, n = 0, len(page_ids)
-    while j < n:
-        first, count = page_ids[j], 1
-        while j + count < n and page_ids[j + count] == first + count:
-            count += 1
-        p, end = first, first + count
-        lo = bisect.bisect_right(cuts, first * page_bytes)
-        hi = bisect.bisect_left(cuts, end * page_bytes)
-        at: dict[int, list[int]] = {}  # page -> offsets of the cuts within it (0: its start)
-        for cut in cuts[lo:hi]:
-            page, rem = divmod(cut, page_bytes)
-            at.setdefault(page, []).append(rem)
-        for page in sorted(at):
-            if page > p:
-                runs.append((j + p - first, p, page - p, ()))
-                p = page
-            inner = tuple(r for r in at[page] if r)
-            if inner:
-                runs.append((j + page - first, page, 1, inner))
-                p = page + 1
-        if p < end:
-            runs.append((j + p - first, p, end - p, ()))
-        j += count
-    return runs
