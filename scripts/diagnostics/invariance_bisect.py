@@ -5,7 +5,8 @@ case: 32 mixed-length prompts sent at once, each reply against the same prompt a
 variant, each in a fresh process, and prints one line per variant with how many replies
 differed. Variants: the defaults; ``HERALD_COMPILE=0`` (no ``torch.compile`` of the small
 element-wise functions); ``HERALD_TRITON=0`` (none of herald's Triton kernels); the start-up
-warm-up of one request instead of every batch size; no warm-up at all. On the GPU machine
+warm-up of one request instead of every batch size; no warm-up at all; no CUDA graphs
+(every forward eager), with and without ``torch.compile``. On the GPU machine
 (carry .whl, checkpoints/code-sdar in the tree)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -36,12 +37,20 @@ _NO_WARMUP = (
     "from herald.server.warmup import WarmUp\n"
     "L.warm_up_engine = lambda eng, tok: WarmUp(0.0, (), 0, 0)\n"
 )
+_NO_GRAPHS = (
+    "import herald.engine.runner as R\n"
+    "_init = R.ModelRunner.__init__\n"
+    "R.ModelRunner.__init__ = lambda self, m, *, use_cuda_graph, is_moe: "
+    "_init(self, m, use_cuda_graph=False, is_moe=is_moe)\n"
+)
 VARIANTS: list[tuple[str, dict[str, str], str]] = [
     ("defaults", {}, ""),
     ("HERALD_COMPILE=0", {"HERALD_COMPILE": "0"}, ""),
     ("HERALD_TRITON=0", {"HERALD_TRITON": "0"}, ""),
     ("warm-up of one request", {}, _ONE_SIZE),
     ("no warm-up", {}, _NO_WARMUP),
+    ("no CUDA graphs", {}, _NO_GRAPHS),
+    ("no CUDA graphs, HERALD_COMPILE=0", {"HERALD_COMPILE": "0"}, _NO_GRAPHS),
 ]
 
 
