@@ -35,9 +35,11 @@ variable                       meaning
                                serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),
                                as vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``; else it is capped there
-``HERALD_HUGE_PAGES``          ``1`` (default) asks Linux for 2 MiB pages under the CPU KV pool
+``HERALD_HUGE_PAGES``          ``1`` asks Linux for 2 MiB pages under the CPU KV pool
                                (``madvise(MADV_HUGEPAGE)``, where transparent huge pages are
-                               enabled); ``0`` leaves it on 4 KiB pages
+                               enabled); ``0`` (default) for 4 KiB pages (``MADV_NOHUGEPAGE``:
+                               the selection kernel measured faster on them,
+                               :mod:`herald.kv.hugepages`)
 =============================  ==================================================================
 """
 
@@ -76,7 +78,7 @@ class Settings:
     api_key: str | None = field(default=None, repr=False)
     triton: str = "auto"
     allow_long_context: bool = False
-    huge_pages: bool = True
+    huge_pages: bool = False
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -146,7 +148,7 @@ def parse(env: dict[str, str]) -> Settings:
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
         allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
-        huge_pages=_flag(env, "HERALD_HUGE_PAGES", default=True),
+        huge_pages=_flag(env, "HERALD_HUGE_PAGES"),
     )
 
 

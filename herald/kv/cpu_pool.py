@@ -34,7 +34,7 @@ import torch
 
 from herald.env import settings
 from herald.kv.compact_keys import FIRST_PASS_KINDS, CompactKeys, compact_bytes_per_page
-from herald.kv.hugepages import HUGE_PAGE, advise_huge_pages, anon_huge_bytes
+from herald.kv.hugepages import HUGE_PAGE, advise_pages, anon_huge_bytes
 from herald.kv.pinned import page_copy_runs, register_pinned, unregister_pinned
 
 __all__ = ["CpuKVPool", "CpuPoolFullError", "page_copy_runs"]
@@ -109,11 +109,14 @@ class CpuKVPool:
             ) from e
         off = (-raw.data_ptr() % HUGE_PAGE) // itemsize
         storage = raw[off : off + numel].view(shape)
-        # 2 MiB pages, asked for before the first touch (HERALD_HUGE_PAGES=0: 4 KiB pages).
+        # 4 KiB or 2 MiB pages (HERALD_HUGE_PAGES), asked for before the first touch.
         huge0 = anon_huge_bytes()
-        self.huge_pages_advised = settings().huge_pages and advise_huge_pages(
-            storage.data_ptr(), storage.nbytes
+        huge = settings().huge_pages
+        self.huge_pages_advised = huge and advise_pages(
+            storage.data_ptr(), storage.nbytes, huge=True
         )
+        if not huge:
+            advise_pages(storage.data_ptr(), storage.nbytes, huge=False)
         self._storage: torch.Tensor | None = storage.zero_()
         huge1 = anon_huge_bytes()
         self.huge_page_bytes = None if huge0 is None or huge1 is None else max(0, huge1 - huge0)

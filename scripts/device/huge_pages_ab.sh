@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # The CPU KV pool on 2 MiB pages against 4 KiB pages (HERALD_HUGE_PAGES=1 / 0), alternated in one
 # call so that neither side gets the machine's fresher state: LLaDA2.0-mini 32K at the 80 GB cap,
-# HERALD with the `selected` kernel output at bs 80 (its peak batch), REPS times each side (default
-# 2: 1 0 1 0 in that order), then dense bs 32 for the ratio. One folder of raw records per point
-# under $OUT (hp<flag>_<rep>/, dense/); a summary table last, also in $OUT/huge_pages_ab.txt.
+# HERALD with the `selected` kernel output at bs 80 (its peak batch), one point per entry of SIDES
+# in that order (default "1 0 1 0"), then dense bs 32 for the ratio. One folder of raw records
+# per point under $OUT (hp<flag>_<n>/, n counting the points; dense/); a summary table last, also
+# in $OUT/huge_pages_ab.txt.
 #
-#   REPS=2 bash scripts/device/huge_pages_ab.sh
+#   SIDES="0 1 0" bash scripts/device/huge_pages_ab.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-REPS=${REPS:-2}
+SIDES=${SIDES:-1 0 1 0}
 point() {  # point DIR MODE BATCH
     timeout "${POINT_LIMIT:-150}" python3 -m herald.bench.throughput --model llada2-mini \
         --context 32768 --mode "$2" --batches "$3" --gpu-memory-gb 80 --out "$1" 2>&1 \
         | grep -E "DRAM read|CPU KV pool|tok/s" | sed 's/^/  /'
 }
-for rep in $(seq 1 "$REPS"); do
-    for hp in 1 0; do
-        echo "HERALD_HUGE_PAGES=$hp, repetition $rep"
-        HERALD_HUGE_PAGES=$hp point "$OUT/hp${hp}_$rep" herald-selected 80
-    done
+n=0
+for hp in $SIDES; do
+    n=$((n + 1))
+    echo "HERALD_HUGE_PAGES=$hp, point $n"
+    HERALD_HUGE_PAGES=$hp point "$OUT/hp${hp}_$n" herald-selected 80
 done
 echo "dense"; point "$OUT/dense" dense 32
 python3 - "$OUT" <<'PY' | tee "$OUT/huge_pages_ab.txt"

@@ -9,7 +9,7 @@ import pytest
 
 from herald.env import parse, reload_settings
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.hugepages import HUGE_PAGE, advise_huge_pages, anon_huge_bytes
+from herald.kv.hugepages import HUGE_PAGE, advise_pages, anon_huge_bytes
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -23,8 +23,9 @@ def _thp_on() -> bool:
     return "[always]" in text or "[madvise]" in text
 
 
-def test_the_switch_is_on_unless_turned_off() -> None:
-    assert parse({}).huge_pages is True
+def test_the_switch_is_off_unless_turned_on() -> None:
+    assert parse({}).huge_pages is False
+    assert parse({"HERALD_HUGE_PAGES": "1"}).huge_pages is True
     assert parse({"HERALD_HUGE_PAGES": "0"}).huge_pages is False
     assert parse({"HERALD_HUGE_PAGES": "on"}).huge_pages is True
     with pytest.raises(ValueError, match="HERALD_HUGE_PAGES='maybe'"):
@@ -32,8 +33,9 @@ def test_the_switch_is_on_unless_turned_off() -> None:
 
 
 def test_no_whole_huge_page_no_advice() -> None:
-    assert advise_huge_pages(HUGE_PAGE + 4096, HUGE_PAGE) is False  # straddles, holds none
-    assert advise_huge_pages(0, 0) is False
+    for huge in (True, False):
+        assert advise_pages(HUGE_PAGE + 4096, HUGE_PAGE, huge=huge) is False  # holds none whole
+        assert advise_pages(0, 0, huge=huge) is False
 
 
 def test_anon_huge_bytes_reads_the_rollup(tmp_path: Path) -> None:
@@ -69,3 +71,30 @@ def test_the_pool_starts_on_a_huge_page_and_says_what_it_got(
             assert line.endswith("; 4 KiB pages")
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(("switch", "huge"), [("1", True), ("0", False), ("", False)])
+def test_the_pool_asks_for_the_pages_the_switch_names(
+    switch: str, huge: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off (the default) is an explicit request for 4 KiB pages, so a host whose transparent
+    huge pages are 'always' does not put the pool on 2 MiB pages anyway."""
+    import herald.kv.cpu_pool as cpu_pool
+
+    asked: list[bool] = []
+
+    def record(addr: int, nbytes: int, *, huge: bool) -> bool:
+        asked.append(huge)
+        return True
+
+    monkeypatch.setattr(cpu_pool, "advise_pages", record)
+    monkeypatch.setenv("HERALD_HUGE_PAGES", switch)
+    reload_settings()
+    try:
+        pool = CpuKVPool(2, 2, 64, 32, 300, pin=False)
+        pool.close()
+    finally:
+        monkeypatch.undo()
+        reload_settings()
+    assert asked == [huge]
+    assert pool.huge_pages_advised is huge
