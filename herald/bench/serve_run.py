@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import datetime as _dt
 import gc
 import os
@@ -36,6 +37,7 @@ from herald.bench.serve_prompts import Prompt
 from herald.bench.serve_report import JSONL_NAME, write_readme
 from herald.bench.throughput_records import append_record, log
 from herald.config import EngineConfig, OffloadConfig
+from herald.server.defaults import FRONT_DEFAULTS
 
 START_TIMEOUT_S = 900.0
 """Seconds the server may take to load its model and start."""
@@ -83,7 +85,8 @@ class InProcessServer:
         except BaseException:
             self.sock.close()
             raise
-        self.server = make_server(self.app, self.sock, log_level="warning")
+        limits = dataclasses.replace(FRONT_DEFAULTS, keep_alive_timeout_s=KEEP_ALIVE_S)
+        self.server = make_server(self.app, self.sock, limits=limits, log_level="warning")
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
@@ -125,6 +128,12 @@ class InProcessServer:
 
 
 _DTYPE_FLAGS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+KEEP_ALIVE_S = 60.0
+"""Idle kept-alive connections of the benchmark's server stay open this long, not ``herald
+serve``'s default 5 s: the ``openai`` client (httpx) reuses a pooled connection idle up to 5 s,
+so at equal timeouts a request can meet the server closing its connection (a failed request that
+is no fault of the engine, and the clients do not retry). A server given by ``--url`` keeps its
+own setting."""
 _READY = re.compile(r"herald serve ready on (http://\S+?):? ")
 
 
@@ -138,7 +147,7 @@ def serve_command(plan: Plan) -> list[str]:
            "--port", "0", "--seed", str(a.seed), "--max-batch-size", str(e.max_batch_size),
            "--max-seq-len", str(e.max_seq_len), "--max-waiting", str(e.max_waiting),
            "--max-prefill-tokens", str(e.max_prefill_tokens),
-           "--kv-pad", str(e.kv_pad)]  # fmt: skip
+           "--kv-pad", str(e.kv_pad), "--keep-alive-timeout-s", str(KEEP_ALIVE_S)]  # fmt: skip
     if plan.dtype is not None:
         cmd += ["--dtype", _DTYPE_FLAGS[plan.dtype]]
     if plan.offload is not None:

@@ -365,3 +365,5 @@ def test_the_child_server_command_is_herald_serve_with_the_engine_settings(tmp_p
     assert (got.max_batch_size, got.max_seq_len, got.max_prefill_tokens, got.port) == (
         e.max_batch_size, e.max_seq_len, 512, 0)  # fmt: skip
     assert (got.max_waiting, got.kv_pad, got.seed) == (e.max_waiting, e.kv_pad, 0)
+    # idle connections outlive the openai client's 5 s pool expiry (no close-vs-reuse race)
+    assert got.keep_alive_timeout_s == serve_run.KEEP_ALIVE_S > 5.0

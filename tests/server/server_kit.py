@@ -5,6 +5,7 @@ are in conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,12 @@ MODEL = "tiny-sdar"
 MAX_SEQ_LEN = 256
 API_KEY = "sesame"
 TIMEOUT = httpx.Timeout(60.0)
+TEST_FRONT = dataclasses.replace(FRONT_DEFAULTS, keep_alive_timeout_s=600.0)
+"""``herald serve``'s front limits, but idle kept-alive connections stay open 600 s instead of 5.
+httpx (and so the ``openai`` client) drops a pooled connection after 5 s idle, the server's own
+default: a request sent on a connection idle just under 5 s could meet the server closing it
+("Server disconnected without sending a response"), a race a loaded machine widens. With the
+server's timeout far above the client's, the client always lets go first."""
 SAMPLED = ["--temperature", "0.8", "--top-p", "0.9"]
 """CLI flags of the sampled case of :func:`assert_server_matches_cli` (the CLI's seed is 0)."""
 
@@ -75,7 +82,7 @@ def start_server(
     offload: OffloadConfig | None = None,
     model: str = MODEL,
     device: str = "cpu",
-    limits: FrontLimits = FRONT_DEFAULTS,
+    limits: FrontLimits = TEST_FRONT,
     **engine_fields: object,
 ) -> LiveServer:
     """A live server of ``model`` on ``device`` over ``herald serve``'s engine and front settings

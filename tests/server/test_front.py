@@ -7,6 +7,7 @@ the server closes the connection, with a client-side timeout far longer than the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_kit import API_KEY, TIMEOUT, LiveServer, start_server
+from server_kit import API_KEY, TEST_FRONT, TIMEOUT, LiveServer, start_server
 
 from herald.server.defaults import FrontLimits
 
@@ -136,7 +137,10 @@ def test_api_key_is_checked_before_the_body(front_server: LiveServer, length: in
 def test_requests_within_the_limits_are_served(front_server: LiveServer) -> None:
     body = {"prompt": "hi", "max_tokens": 8, "steps": 1}
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=front_server.url, timeout=TIMEOUT, headers=auth) as c:
+    # A fresh connection per request: this server closes idle connections after 0.3 s, and a
+    # pooled one reused after a pause that long (a loaded machine) would race its closing.
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=front_server.url, timeout=TIMEOUT, headers=auth, limits=fresh) as c:
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
@@ -165,7 +169,9 @@ def test_shutdown_closes_requests_still_running_after_its_timeout() -> None:
 
     from engine_gate import engine_gate
 
-    srv = start_server(limits=FrontLimits(shutdown_timeout_s=0.5), max_batch_size=2)
+    srv = start_server(
+        limits=dataclasses.replace(TEST_FRONT, shutdown_timeout_s=0.5), max_batch_size=2
+    )
     engine = srv.state.engine_loop.engine
     ended = threading.Event()
     outcome: dict[str, str] = {}
