@@ -56,7 +56,12 @@ def _prompts(config, lengths, seed=0):
 def setup(request):
     model, config = _model(request.param)
     prompts = _prompts(config, [70, 20, 130])
-    params = SamplingParams(max_new_tokens=72, ignore_eos=True)
+    # Fixed steps per block, a different count per request: the rows of a lockstep block finish
+    # their masks at different steps (as threshold decoding's would), and a random model's
+    # threshold decoding, one token per step, would take ~B steps per block.
+    params = [
+        SamplingParams(max_new_tokens=72, ignore_eos=True, num_denoise_steps=s) for s in (3, 8, 5)
+    ]
     dense = make_engine(model, config, None, max_batch_size=3, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     return model, config, prompts, params, ref
@@ -237,11 +242,14 @@ def test_eos_and_continuous_admission_equal_dense():
     requests take (2 slots, 5 requests): output still equals dense at budget 1.0."""
     model, config = _model("tiny-llada2")
     prompts = _prompts(config, [70, 20, 130, 40, 90], seed=7)
+    steps = 4  # fixed denoising steps per block: a random model's threshold mode takes ~B
     free = make_engine(model, config, None, max_batch_size=5, max_seq_len=320).generate(
-        prompts, SamplingParams(max_new_tokens=96, ignore_eos=True)
+        prompts, SamplingParams(max_new_tokens=96, ignore_eos=True, num_denoise_steps=steps)
     )
     cfg = config.replace(eos_token_ids=(free[0].output_ids[40],))
-    params = [SamplingParams(max_new_tokens=n) for n in (96, 64, 96, 33, 80)]
+    params = [
+        SamplingParams(max_new_tokens=n, num_denoise_steps=steps) for n in (96, 64, 96, 33, 80)
+    ]
     dense = make_engine(model, cfg, None, max_batch_size=2, max_seq_len=320)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
     assert any(len(r) < p.max_new_tokens for r, p in zip(ref, params, strict=True))  # EOS hit
@@ -258,7 +266,7 @@ def test_abort_mid_block_frees_pages_and_leaves_others_unchanged(setup):
     pages are freed there; the others still equal dense; the pool ends empty."""
     model, config, prompts, params, ref = setup
     eng = make_engine(model, config, MODES["herald"], max_batch_size=3, max_seq_len=256)
-    reqs = [eng.add_request(p, params) for p in prompts]
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     returned = []
     for _ in range(3):  # into the first block: step 0, the fused draft step, step 2
         returned += eng.step()
@@ -379,7 +387,7 @@ def test_kv_pad_makes_outputs_independent_of_batch_mates(device):
     g = torch.Generator().manual_seed(11)
     a = torch.randint(0, 256, (50,), generator=g).tolist()
     mates = [[120] * 300, [121] * 500]
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True, num_denoise_steps=2)
 
     def offload(prompts, mode, seq=1024):
         cfg = OffloadConfig.for_mode(mode, kv_budget=0.05, selection_threads=2)
