@@ -110,3 +110,135 @@ def _rows(base, row, pos, head, offs_d, stride_b, stride_l, stride_h):
         base + row.to(tl.int64) * stride_b + pos[:, None] * stride_l
         + head[:, None] * stride_h + offs_d[None, :]
     )  # fmt: skip
+
+
+@triton.jit
+def block_attention_split(
+    q_ptr,  # [bs, L, Hq, D]
+    k_ptr,  # [slots, Hkv, cap, D]
+    v_ptr,  # [slots, Hkv, cap, D]
+    part_ptr,  # [bs, Hkv, tiles, splits, QT * G, D] float32: each split's unnormalised output
+    ml_ptr,  # [bs, Hkv, tiles, splits, QT * G, 2] float32: each split's running max and sum
+    prefix_ptr,  # [bs] int32
+    slot_offset,
+    qk_scale,
+    n_splits,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_kn,
+    stride_vs,
+    stride_vh,
+    stride_vn,
+    L: tl.constexpr,
+    DRAFT_B: tl.constexpr,
+    G: tl.constexpr,
+    QT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_N: tl.constexpr,  # keys per split, a multiple of BLOCK_N
+):
+    """One split of :func:`block_attention`'s keys: ``[split * SPLIT_N, (split + 1) * SPLIT_N)``
+    of a (row, KV head, query tile); the online softmax's state goes to the workspace, and
+    :func:`block_attention_combine` merges the splits in order."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2) // n_splits
+    split = tl.program_id(2) % n_splits
+    t0 = tile * QT
+    p = tl.load(prefix_ptr + row)
+    lo_end, hi_start, hi_end = _visible_keys(p, t0, L, DRAFT_B, 0)
+    start = split * SPLIT_N
+    end = tl.minimum(start + SPLIT_N, tl.maximum(lo_end, hi_end))
+    if start < end:  # splits past the row's keys are never read by the combine
+        offs_m = tl.arange(0, QT * G)
+        pos = t0 + offs_m // G
+        head = kvh * G + offs_m % G
+        offs_d = tl.arange(0, D)
+        q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
+        slot = (slot_offset + row).to(tl.int64)
+        k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+        m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((QT * G,), dtype=tl.float32)
+        acc = tl.zeros((QT * G, D), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_N):
+            offs_n = s0 + tl.arange(0, BLOCK_N)
+            in_range = offs_n < end
+            k = tl.load(
+                k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+                mask=in_range[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, k) * qk_scale
+            vis = (offs_n < lo_end) | ((offs_n >= hi_start) & (offs_n < hi_end))
+            s = tl.where(vis[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(
+                v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                mask=in_range[:, None],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+        idx = (row * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + tile * n_splits
+        idx = idx + split
+        tl.store(part_ptr + (idx * QT * G + offs_m)[:, None] * D + offs_d[None, :], acc)
+        tl.store(ml_ptr + (idx * QT * G + offs_m) * 2, m_i)
+        tl.store(ml_ptr + (idx * QT * G + offs_m) * 2 + 1, l_i)
+
+
+@triton.jit
+def block_attention_combine(
+    part_ptr,
+    ml_ptr,
+    o_ptr,  # [bs, L, Hq, D]
+    prefix_ptr,
+    n_splits,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    L: tl.constexpr,
+    DRAFT_B: tl.constexpr,
+    G: tl.constexpr,
+    QT: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT_N: tl.constexpr,
+):
+    """Merges a (row, KV head, query tile)'s splits in split order (the same order whatever the
+    batch), then normalises and stores the output rows."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    tile = tl.program_id(2)
+    t0 = tile * QT
+    p = tl.load(prefix_ptr + row)
+    lo_end, hi_start, hi_end = _visible_keys(p, t0, L, DRAFT_B, 0)
+    used = tl.cdiv(tl.maximum(lo_end, hi_end), SPLIT_N)
+    offs_m = tl.arange(0, QT * G)
+    offs_d = tl.arange(0, D)
+    base = ((row * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + tile) * n_splits
+    m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((QT * G,), dtype=tl.float32)
+    acc = tl.zeros((QT * G, D), dtype=tl.float32)
+    for split in range(0, used):
+        rows = (base + split) * QT * G + offs_m
+        m_s = tl.load(ml_ptr + rows * 2)
+        l_s = tl.load(ml_ptr + rows * 2 + 1)
+        a_s = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :])
+        m_new = tl.maximum(m_i, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        beta = tl.exp2(m_s - m_use)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    pos = t0 + offs_m // G
+    head = kvh * G + offs_m % G
+    o_ptrs = _rows(o_ptr, row, pos, head, offs_d, stride_ob, stride_ol, stride_oh)
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))

@@ -18,6 +18,15 @@ padding needed) and the block group of a draft step is bit-identical to a plain 
 
 ``prefix`` is a device tensor: the launch shape depends on the batch size and L only, not on the
 key lengths, so the call can be captured in a CUDA graph and replayed for every block.
+
+Over a large store (a dense cache of tens of thousands of rows) one program per (row, KV head,
+tile) streams too few keys in parallel to fill the GPU. There the keys are split in fixed chunks
+of ``split_keys`` rows (:data:`SPLIT_KEYS` by default for stores above
+:data:`SMALL_STORE_KEYS`; denoising steps, commits and draft groups, not prefill chunks): one
+program per (row, KV head, tile, chunk) keeps its online softmax's state in a float32
+workspace, and a second kernel merges a row's chunks in chunk order. The chunks start at fixed
+key positions, so a row's result still depends on nothing but its own keys. The grid covers
+the store's capacity; chunks past a row's keys return at once.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ FOLDED_ROWS = 64  # query rows (positions x heads in a group) per program
 BLOCK_N = 64  # keys per chunk
 NUM_WARPS = 4
 NUM_STAGES = 3
+
+
+SPLIT_KEYS = 4096
+"""Keys per program over a large store (see the module docstring); a multiple of
+:data:`BLOCK_N`."""
 
 
 def query_tile(num_q_heads: int, num_kv_heads: int, length: int, block: int = 0) -> int:
@@ -81,11 +95,14 @@ def block_attention(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring. ``prefix`` [bs] int32 on the device; returns [bs, L, Hq, D].
 
     The caller has written the current tokens' K/V at rows ``[prefix, prefix + L)`` of each
-    row's slot.
+    row's slot. ``split_keys``: keys per program (0: one program streams all of a row's keys;
+    None: :data:`SPLIT_KEYS` for stores above :data:`SMALL_STORE_KEYS` outside prefill chunks,
+    else 0).
     """
     from herald.attention import _block_kernel as kern
 
@@ -100,6 +117,17 @@ def block_attention(
     out = torch.empty_like(q)
     if prefix.dtype != torch.int32:
         prefix = prefix.to(torch.int32)
+    if split_keys is None:
+        split_keys = SPLIT_KEYS if k_store.shape[2] > SMALL_STORE_KEYS and not causal_block else 0
+    if split_keys:
+        if causal_block or split_keys % block_n:
+            raise ValueError(
+                f"split_keys={split_keys}: a multiple of block_n={block_n}, not for prefill chunks"
+            )
+        return _split_attention(
+            q, k_store, v_store, out, prefix, slot_offset, draft_block, qt, split_keys,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     kern.block_attention[(bs, hkv, length // qt)](
         q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), q.stride(2),
@@ -109,5 +137,45 @@ def block_attention(
         L=length, DRAFT_B=draft_block, CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d,
         BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _split_attention(
+    q: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    out: torch.Tensor,
+    prefix: torch.Tensor,
+    slot_offset: int,
+    draft_block: int,
+    qt: int,
+    split_keys: int,
+    *,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """:func:`block_attention` with the keys split in chunks of ``split_keys`` rows (the module
+    docstring): the chunks' partial softmax states, then their merge into ``out``."""
+    from herald.attention import _block_kernel as kern
+
+    bs, length, hq, d = q.shape
+    hkv, g = k_store.shape[1], hq // k_store.shape[1]
+    tiles, splits = length // qt, -(-k_store.shape[2] // split_keys)
+    rows = bs * hkv * tiles * splits * qt * g
+    part = torch.empty(rows * d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(rows * 2, device=q.device, dtype=torch.float32)
+    kern.block_attention_split[(bs, hkv, tiles * splits)](
+        q, k_store, v_store, part, ml, prefix, slot_offset, d**-0.5 * math.log2(math.e), splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_store.stride(0), k_store.stride(1), k_store.stride(2),
+        v_store.stride(0), v_store.stride(1), v_store.stride(2),
+        L=length, DRAFT_B=draft_block, G=g, QT=qt, D=d, BLOCK_N=block_n, SPLIT_N=split_keys,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    kern.block_attention_combine[(bs, hkv, tiles)](
+        part, ml, out, prefix, splits, out.stride(0), out.stride(1), out.stride(2),
+        L=length, DRAFT_B=draft_block, G=g, QT=qt, D=d, SPLIT_N=split_keys,
     )  # fmt: skip
     return out

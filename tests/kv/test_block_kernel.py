@@ -65,6 +65,17 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             ref = _reference(q, k, v, prefix, 1, draft)
             err = (out.float() - ref).abs().max().item()
             assert out.dtype == dtype and err < tol, (dtype, draft, err)
+            # keys split in chunks of 32 (7 over the capacity, some past every row's keys;
+            # a draft group's chunk can hold none of its visible keys)
+            split = block_attention(q, k, v, prefix.int(), slot_offset=1, draft_block=draft,
+                                    block_n=16, split_keys=32)
+            err = (split.float() - ref).abs().max().item()
+            assert split.dtype == dtype and err < tol, (dtype, draft, "split", err)
+            for i in range(3):  # a row alone in its slot: the same bits as in the batch
+                alone = block_attention(q[i : i + 1], k, v, prefix[i : i + 1].int(),
+                                        slot_offset=1 + i, draft_block=draft, block_n=16,
+                                        split_keys=32)
+                assert torch.equal(alone, split[i : i + 1]), (dtype, draft, i)
         q = torch.randn(3, 3 * b, hq, d).to(dtype)  # a block-causal prefill chunk of 3 blocks
         out = block_attention(q, k, v, prefix.int(), slot_offset=1, causal_block=b, block_n=16)
         err = (out.float() - _reference(q, k, v, prefix, 1, 0, causal=b)).abs().max().item()
@@ -93,7 +104,8 @@ def _store(slots: int, cap: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.gpu
 @torch.no_grad()
 def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """LLaDA2.0-mini heads (16 query, 4 KV, 128 dim), sparse-pool and dense lengths."""
+    """LLaDA2.0-mini heads (16 query, 4 KV, 128 dim), sparse-pool and dense lengths (the
+    9,000-row store is above SMALL_STORE_KEYS: its steps split the keys by default)."""
     from herald.attention.block_kernel import (
         SMALL_STORE_KEYS,
         block_attention,
@@ -124,34 +136,43 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1024])  # one program per row's keys; keys in chunks
 @torch.no_grad()
-def test_block_attention_is_batch_invariant_and_the_draft_block_equals_a_plain_step() -> None:
+def test_block_attention_is_batch_invariant_and_the_draft_block_equals_a_plain_step(
+    split: int,
+) -> None:
     from herald.attention.block_kernel import block_attention
 
     k, v = _store(6, 6000, seed=1)
     prefix = torch.tensor([5000, 17, 1703, 2048, 64, 4095], device="cuda", dtype=torch.int32)
     q = torch.randn(6, 64, 16, 128, device="cuda", dtype=torch.bfloat16)
-    plain = block_attention(q[:, :32], k, v, prefix)
-    draft = block_attention(q, k, v, prefix, draft_block=32)
+    plain = block_attention(q[:, :32], k, v, prefix, split_keys=split)
+    draft = block_attention(q, k, v, prefix, draft_block=32, split_keys=split)
     assert torch.equal(draft[:, :32], plain)  # the draft never changes the block's numbers
     for i in range(6):  # each row alone, in its own slot, equals the row in the batch
-        alone = block_attention(q[i : i + 1, :32], k, v, prefix[i : i + 1], slot_offset=i)
+        alone = block_attention(
+            q[i : i + 1, :32], k, v, prefix[i : i + 1], slot_offset=i, split_keys=split
+        )
         assert torch.equal(alone, plain[i : i + 1]), i
+    if split:
+        ref = _reference(q, k, v, prefix.long(), 0, 32)
+        assert (draft.float() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [0, 1024])
 @torch.no_grad()
-def test_block_attention_replays_in_a_cuda_graph_for_new_lengths() -> None:
+def test_block_attention_replays_in_a_cuda_graph_for_new_lengths(split: int) -> None:
     from herald.attention.block_kernel import block_attention
 
     k, v = _store(4, 4096, seed=2)
     prefix = torch.tensor([10, 200, 3000, 64], device="cuda", dtype=torch.int32)
     q = torch.randn(4, 32, 16, 128, device="cuda", dtype=torch.bfloat16)
-    block_attention(q, k, v, prefix)  # compile outside the capture
+    block_attention(q, k, v, prefix, split_keys=split)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = block_attention(q, k, v, prefix)
+        out = block_attention(q, k, v, prefix, split_keys=split)
     for new in ([11, 4000, 0, 2047], [3000, 3000, 3000, 3000]):
         prefix.copy_(torch.tensor(new, device="cuda", dtype=torch.int32))
         graph.replay()
-        assert torch.equal(out, block_attention(q, k, v, prefix)), new
+        assert torch.equal(out, block_attention(q, k, v, prefix, split_keys=split)), new
