@@ -18,19 +18,12 @@ import torch
 
 from herald.attention.block_kernel import block_attention
 from herald.attention.sdpa import sdpa_folded
+from herald.bench.forward_point import time_forward
 
 
 def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    """Median milliseconds of ``reps`` calls after one warm-up call."""
+    times = time_forward(fn, torch.device("cuda"), warmup=1, reps=reps)
     return sorted(times)[len(times) // 2]
 
 
