@@ -194,7 +194,8 @@ def run_section(run: dict[str, Any]) -> str:
         "",
         f"{where}; mode {first['mode']}, kv budget {first['kv_budget']}, max batch "
         f"{s.get('max_batch_size')}, max seq len {s.get('max_seq_len')}, prefill budget "
-        f"{s.get('max_prefill_tokens')} tokens per boundary; max_tokens {first['max_tokens']}, "
+        f"{s.get('max_prefill_tokens')} tokens per decode forward; "
+        f"max_tokens {first['max_tokens']}, "
         f"steps {first['steps']}, ignore_eos {first['ignore_eos']}, limit "
         f"{first['duration_limit_s']:g} s per level. Machine: {_machine(head)}.",
     ]

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
             dest=name,
             type=int,
             default=getattr(D, name),
-            help=engine_help(name)
+            help=engine_help(name).rstrip(".")
             + (
                 "; at most the model's context (max_position_embeddings) unless "
                 "HERALD_ALLOW_LONG_CONTEXT=1"
@@ -102,7 +102,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         type=float,
         default=None,
         help="offloading modes: CPU KV pool size in GiB (default: what --max-batch-size "
-        "requests of --max-seq-len tokens need)",
+        "requests of --max-seq-len tokens need); on 4 KiB pages, HERALD_HUGE_PAGES=1 for 2 MiB "
+        "pages",
     )
     s.add_argument(
         "--cpu-kv-tokens",

@@ -115,9 +115,11 @@ def new_request(
     """
     req = Request(list(prompt_ids), params, block_size)
     if req.layout.total_len > max_seq_len:
+        # (the HTTP API calls max_new_tokens max_tokens: the message names neither)
         raise RequestTooLarge(
-            f"prompt ({req.prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-            f"needs {req.layout.total_len} tokens, more than max_seq_len={max_seq_len}",
+            f"the prompt ({_tokens(req.prompt_len)}) and up to {_tokens(params.max_new_tokens)} "
+            f"to generate need {req.layout.total_len} tokens in whole blocks of {block_size}, "
+            f"more than the context of {max_seq_len} (max_seq_len)",
             code="context_length_exceeded",
         )
     bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
@@ -128,3 +130,7 @@ def new_request(
             code="invalid_token_ids",
         )
     return req
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"

@@ -199,7 +199,7 @@ class CpuKVPool:
         how = f"pinned in {len(self._registered)} chunk(s)" if self.pinned else "not pinned"
         dtype = str(self.dtype).removeprefix("torch.") + (" + int8 K" if self.compact else "")
         return (
-            f"CPU KV pool: {self.nbytes / _GIB:.2f} GiB {how}, {self.num_pages} pages x "
+            f"CPU KV pool: {_size(self.nbytes)} {how}, {self.num_pages} pages x "
             f"{self.page_size} tokens = {self.capacity_tokens} tokens ({self.num_layers} layers x "
             f"{self.num_kv_heads} KV heads x {self.head_dim} {dtype}); "
             f"alloc+touch {self.alloc_seconds:.2f} s, pin {self.pin_seconds:.2f} s; "
@@ -208,7 +208,7 @@ class CpuKVPool:
 
     def _pages_text(self) -> str:
         if self.huge_page_bytes:
-            return f"{self.huge_page_bytes / _GIB:.2f} GiB on 2 MiB pages"
+            return f"{_size(self.huge_page_bytes)} on 2 MiB pages"
         return "2 MiB pages asked for" if self.huge_pages_advised else "4 KiB pages"
 
     # ---- storage ----------------------------------------------------------------------------
@@ -465,3 +465,10 @@ class CpuKVPool:
         k = self.k_pages(layer)[page, :, slot].transpose(0, 1).contiguous()  # [n, Hkv, D] -> ...
         v = self.v_pages(layer)[page, :, slot].transpose(0, 1).contiguous()
         return k, v
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or in MiB below one GiB (a small pool does not read as 0.00 GiB)."""
+    if nbytes >= _GIB:
+        return f"{nbytes / _GIB:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"

@@ -37,7 +37,12 @@ def test_sizing_and_describe() -> None:
     assert CpuKVPool.from_gib(gib, L, HKV, D, P, pin=False).num_pages == 25
     assert CpuKVPool.from_tokens(41, L, HKV, D, P, pin=False).num_pages == 11
     line = pool.describe()
-    assert "GiB" in line and "40 tokens" in line and "pin 0.00 s" in line and "\n" not in line
+    assert "40 tokens" in line and "pin 0.00 s" in line and "\n" not in line
+    mib = pool.nbytes / 2**20  # a small pool in MiB, not "0.00 GiB"
+    assert line.startswith(f"CPU KV pool: {mib:.1f} MiB not pinned"), line
+    from herald.kv.cpu_pool import _size
+
+    assert _size(3 * 2**30) == "3.00 GiB" and _size(2**20) == "1.0 MiB"
     with pytest.raises(ValueError, match="num_pages"):
         CpuKVPool(L, HKV, D, P, 0)
     with pytest.raises(ValueError, match="holds no page"):
