@@ -54,32 +54,10 @@ def block_attention(
     k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((QT * G,), dtype=tl.float32)
-    acc = tl.zeros((QT * G, D), dtype=tl.float32)
-    for start in range(0, loop_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < loop_end
-        k = tl.load(
-            k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
-            mask=in_range[None, :],
-            other=0.0,
-        )  # [D, BLOCK_N]
-        s = tl.dot(q, k) * qk_scale
-        vis = (offs_n < lo_end) | ((offs_n >= hi_start) & (offs_n < hi_end))
-        s = tl.where(vis[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        pr = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(
-            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-            mask=in_range[:, None],
-            other=0.0,
-        )  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _attend_keys(
+        q, k_base, v_base, offs_d, 0, loop_end, lo_end, hi_start, hi_end, qk_scale,
+        stride_kn, stride_vn, QT * G, D, BLOCK_N,
+    )  # fmt: skip
     out = acc / l_i[:, None]
     o_ptrs = _rows(o_ptr, row, pos, head, offs_d, stride_ob, stride_ol, stride_oh)
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
@@ -100,6 +78,44 @@ def _visible_keys(p, t0, L: tl.constexpr, DRAFT_B: tl.constexpr, CAUSAL_B: tl.co
     if CAUSAL_B > 0:
         lo_end = p + (t0 // CAUSAL_B + 1) * CAUSAL_B  # earlier blocks and the tile's own block
     return lo_end, hi_start, hi_end
+
+
+@triton.jit
+def _attend_keys(
+    q, k_base, v_base, offs_d, start, end, lo_end, hi_start, hi_end, qk_scale,
+    stride_kn, stride_vn, QG: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the ``QG`` folded query rows ``q`` over keys ``[start, end)`` of one
+    (slot, KV head) (``k_base``/``v_base``), those outside the visible ranges masked: the running
+    max ``m`` (log2 units), the sum ``l`` and the unnormalised output ``acc`` [QG, D], float32.
+    Keys are read in chunks of ``BLOCK_N`` from ``start``, the same chunks whatever the batch."""
+    m_i = tl.full((QG,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((QG,), dtype=tl.float32)
+    acc = tl.zeros((QG, D), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        k = tl.load(
+            k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
+            mask=in_range[None, :],
+            other=0.0,
+        )  # [D, BLOCK_N]
+        s = tl.dot(q, k) * qk_scale
+        vis = (offs_n < lo_end) | ((offs_n >= hi_start) & (offs_n < hi_end))
+        s = tl.where(vis[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(
+            v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+            mask=in_range[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -161,32 +177,10 @@ def block_attention_split(
         slot = (slot_offset + row).to(tl.int64)
         k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
         v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
-        m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((QT * G,), dtype=tl.float32)
-        acc = tl.zeros((QT * G, D), dtype=tl.float32)
-        for s0 in range(start, end, BLOCK_N):
-            offs_n = s0 + tl.arange(0, BLOCK_N)
-            in_range = offs_n < end
-            k = tl.load(
-                k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
-                mask=in_range[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, k) * qk_scale
-            vis = (offs_n < lo_end) | ((offs_n >= hi_start) & (offs_n < hi_end))
-            s = tl.where(vis[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            pr = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(
-                v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                mask=in_range[:, None],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
+        m_i, l_i, acc = _attend_keys(
+            q, k_base, v_base, offs_d, start, end, lo_end, hi_start, hi_end, qk_scale,
+            stride_kn, stride_vn, QT * G, D, BLOCK_N,
+        )  # fmt: skip
         idx = (row * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + tile * n_splits
         idx = idx + split
         tl.store(part_ptr + (idx * QT * G + offs_m)[:, None] * D + offs_d[None, :], acc)
