@@ -112,11 +112,8 @@ class CpuKVPool:
         # 4 KiB or 2 MiB pages (HERALD_HUGE_PAGES), asked for before the first touch.
         huge0 = anon_huge_bytes()
         huge = settings().huge_pages
-        self.huge_pages_advised = huge and advise_pages(
-            storage.data_ptr(), storage.nbytes, huge=True
-        )
-        if not huge:
-            advise_pages(storage.data_ptr(), storage.nbytes, huge=False)
+        advised = advise_pages(storage.data_ptr(), storage.nbytes, huge=huge)
+        self.huge_pages_advised = huge and advised
         self._storage: torch.Tensor | None = storage.zero_()
         huge1 = anon_huge_bytes()
         self.huge_page_bytes = None if huge0 is None or huge1 is None else max(0, huge1 - huge0)
