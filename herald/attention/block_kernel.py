@@ -103,6 +103,11 @@ def block_attention(
     row's slot. ``split_keys``: keys per program (0: one program streams all of a row's keys;
     None: :data:`SPLIT_KEYS` for stores above :data:`SMALL_STORE_KEYS` outside prefill chunks,
     else 0).
+
+    Raises:
+        ValueError: a draft group whose L is not 2B, a block-causal chunk that is not whole
+            blocks or is also a draft group, or ``split_keys`` not a multiple of ``block_n`` or
+            given with ``causal_block``.
     """
     from herald.attention import _block_kernel as kern
 
