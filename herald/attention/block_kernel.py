@@ -19,14 +19,17 @@ padding needed) and the block group of a draft step is bit-identical to a plain 
 ``prefix`` is a device tensor: the launch shape depends on the batch size and L only, not on the
 key lengths, so the call can be captured in a CUDA graph and replayed for every block.
 
-Over a large store (a dense cache of tens of thousands of rows) one program per (row, KV head,
-tile) streams too few keys in parallel to fill the GPU. There the keys are split in fixed chunks
-of ``split_keys`` rows (:data:`SPLIT_KEYS` by default for stores above
-:data:`SMALL_STORE_KEYS`; denoising steps, commits and draft groups, not prefill chunks): one
-program per (row, KV head, tile, chunk) keeps its online softmax's state in a float32
-workspace, and a second kernel merges a row's chunks in chunk order. The chunks start at fixed
-key positions, so a row's result still depends on nothing but its own keys. The grid covers
-the store's capacity; chunks past a row's keys return at once.
+With ``split_keys`` (denoising steps, commits and draft groups, not prefill chunks) the keys
+are split in fixed chunks of that many rows: one program per (row, KV head, tile, chunk) keeps
+its online softmax's state in a float32 workspace, and a second kernel merges a row's chunks in
+chunk order. The chunks start at fixed key positions, so a row's result still depends on nothing
+but its own keys. The grid covers the store's capacity; chunks past a row's keys return at once.
+It is off unless asked for: meant for a large store that one program per (row, KV head, tile)
+streams with too little parallelism, it measured slower over a 32K dense cache at batch 32 on an
+H100 (1.45-1.58 ms per call for chunks of 2,048-8,192 keys, against 0.78 ms unsplit and 0.74 ms
+for cuDNN SDPA; ``scripts/diagnostics/attention_split_bench.py``). The choice may never depend
+on the batch (a row's bits would then depend on its mates), so it cannot be turned on for small
+batches only.
 """
 
 from __future__ import annotations
@@ -41,11 +44,6 @@ FOLDED_ROWS = 64  # query rows (positions x heads in a group) per program
 BLOCK_N = 64  # keys per chunk
 NUM_WARPS = 4
 NUM_STAGES = 3
-
-
-SPLIT_KEYS = 4096
-"""Keys per program over a large store (see the module docstring); a multiple of
-:data:`BLOCK_N`."""
 
 
 def query_tile(num_q_heads: int, num_kv_heads: int, length: int, block: int = 0) -> int:
@@ -95,14 +93,13 @@ def block_attention(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
-    split_keys: int | None = None,
+    split_keys: int = 0,
 ) -> torch.Tensor:
     """See the module docstring. ``prefix`` [bs] int32 on the device; returns [bs, L, Hq, D].
 
     The caller has written the current tokens' K/V at rows ``[prefix, prefix + L)`` of each
-    row's slot. ``split_keys``: keys per program (0: one program streams all of a row's keys;
-    None: :data:`SPLIT_KEYS` for stores above :data:`SMALL_STORE_KEYS` outside prefill chunks,
-    else 0).
+    row's slot. ``split_keys``: keys per program (0, the default: one program streams all of a
+    row's keys).
 
     Raises:
         ValueError: a draft group whose L is not 2B, a block-causal chunk that is not whole
@@ -122,8 +119,6 @@ def block_attention(
     out = torch.empty_like(q)
     if prefix.dtype != torch.int32:
         prefix = prefix.to(torch.int32)
-    if split_keys is None:
-        split_keys = SPLIT_KEYS if k_store.shape[2] > SMALL_STORE_KEYS and not causal_block else 0
     if split_keys:
         if causal_block or split_keys % block_n:
             raise ValueError(

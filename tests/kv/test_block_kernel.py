@@ -105,7 +105,8 @@ def _store(slots: int, cap: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 @torch.no_grad()
 def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """LLaDA2.0-mini heads (16 query, 4 KV, 128 dim), sparse-pool and dense lengths (the
-    9,000-row store is above SMALL_STORE_KEYS: its steps split the keys by default)."""
+    9,000-row store is above SMALL_STORE_KEYS: the kernel serves it only with HERALD_TRITON=all),
+    keys unsplit and split in chunks of 4,096."""
     from herald.attention.block_kernel import (
         SMALL_STORE_KEYS,
         block_attention,
@@ -126,9 +127,10 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
         length = 64 if draft else 32
         q = torch.randn(8, length, 16, 128, device="cuda", dtype=torch.bfloat16)
         assert block_attention_available(q, k)
-        out = block_attention(q, k, v, prefix.int(), draft_block=draft).float()
         ref = _reference(q, k, v, prefix, 0, draft)
-        assert (out - ref).abs().max().item() < 2e-2, draft
+        for split in (0, 4096):
+            out = block_attention(q, k, v, prefix.int(), draft_block=draft, split_keys=split)
+            assert (out.float() - ref).abs().max().item() < 2e-2, (draft, split)
     q = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)  # prefill chunks
     pre = torch.tensor([0, 4096], device="cuda")
     out = block_attention(q, k, v, pre.int(), causal_block=32).float()
