@@ -10,19 +10,26 @@ centre of the next block through every layer:
   runs exact attention over the CPU pool (prefix pages + tail page, the tail attended but never
   ranked) and returns the output and the top-k rows, the selected K/V rows gathered into pinned
   staging by the same call; one async copy per layer, on a copy stream of the worker's, fills the
-  idle sparse pool while the next layer's projections and selection go on.
+  idle sparse pool while the next layer's projections and selection go on. With
+  ``HERALD_FETCH=gpu`` the kernel only selects: the positions go to the GPU and a GPU kernel on
+  the copy stream reads the rows from the page-locked pool itself
+  (:mod:`herald.offload.gpu_fetch`).
 
 Fences (each has a NOTE where it is enforced):
 - the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete), on
   both of its streams;
 - the staging buffer of a layer is reused only after its previous host-to-device copy completed;
 - the main stream reads the idle pool only after waiting on ``cuda_done``
-  (:meth:`RetrievalJob.wait`).
+  (:meth:`RetrievalJob.wait`);
+- with the GPU fetch, the host also waits for ``cuda_done`` before a job counts as done: the
+  engine may free and rewrite CPU pages once the job is done, and the fetch reads them
+  asynchronously.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import threading
 import time
@@ -32,11 +39,13 @@ import torch
 
 from herald.attention.prefix_tail import attend_prefix_and_tail
 from herald.engine.hooks import FaultInjection
+from herald.env import settings
 from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.pinned import PinnedStaging, copy_to_host
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.models.base import BlockDiffusionLM, DecoderLayer
+from herald.offload.gpu_fetch import fetch_rows, gpu_fetch_available
 from herald.offload.selection.compact_cpu import compact_args, select_topk_compact
 from herald.offload.selection.cpu import select_topk
 
@@ -72,6 +81,11 @@ class RetrievalJob:
     layer_seconds: list[tuple[float, float, float]] = field(default_factory=list)
     # The copies' row mask of the idle pool: (counts, pinned host mask, device mask).
     pad_mask: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+    # The GPU fetch's per-job device tensors: (counts, pinned host table and counts, device
+    # table, device counts).
+    fetch_meta: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
+        None
+    )
     done: threading.Event = field(default_factory=threading.Event)
     cuda_done: torch.cuda.Event | None = None
     error: BaseException | None = None
@@ -129,10 +143,18 @@ class RetrievalWorker:
         # the next layer's projections, so the next layer's query (and with it the CPU kernel)
         # would wait for every copy of this layer's rows; here they overlap the next layer.
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
-        # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements.
+        # HERALD_FETCH=gpu: the GPU reads the selected rows from the pool (needs CUDA, Triton).
+        self.gpu_fetch = settings().fetch == "gpu" and self.cuda
+        if self.gpu_fetch and not gpu_fetch_available(self.device):
+            raise RuntimeError("HERALD_FETCH=gpu needs Triton; install it or unset HERALD_FETCH")
+        # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements, or
+        # with the GPU fetch the selected positions only, [slots, Hkv, k_cap] int32.
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim
-        numel = 2 * pool.num_slots * hkv * pool.capacity * d
-        self._staging = [PinnedStaging(numel, cpu_pool.dtype, self.cuda) for _ in pool.layers]
+        numel = pool.num_slots * hkv * pool.capacity
+        dtype = torch.int32 if self.gpu_fetch else cpu_pool.dtype
+        if not self.gpu_fetch:
+            numel *= 2 * d
+        self._staging = [PinnedStaging(numel, dtype, self.cuda) for _ in pool.layers]
         self._q_host: torch.Tensor | None = None  # pinned, for the query (sized at first use)
         self._queue: queue.Queue[RetrievalJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="herald-retrieval", daemon=True)
@@ -189,8 +211,10 @@ class RetrievalWorker:
                     self.copy_stream.wait_stream(self.stream)
                     self._select(job)
                     self.stream.wait_stream(self.copy_stream)
-                    job.cuda_done = torch.cuda.Event()
+                    job.cuda_done = torch.cuda.Event(blocking=True)
                     job.cuda_done.record(self.stream)
+                    if self.gpu_fetch:  # NOTE: pages are read until here (module docstring)
+                        job.cuda_done.synchronize()
             else:
                 with torch.inference_mode():
                     self._select(job)
@@ -256,11 +280,13 @@ class RetrievalWorker:
         hkv, d = kp.shape[1], kp.shape[3]
         kmax = max(1, int(torch.minimum(budgets, seq - tails).max()))  # select_topk's k_max
         slot = self.pool.layers.index(layer_id)
-        # NOTE: no staging reuse before its copy is done: take() waits (asleep) until the previous
-        # block's H2D from this layer's buffer completed before the kernel overwrites it.
-        out = self._staging[slot].take((2, n, hkv, kmax, d))
-        if self.faults is not None and self.faults.poison_staging:
-            out.fill_(float("nan"))
+        out = None
+        if not self.gpu_fetch:
+            # NOTE: no staging reuse before its copy is done: take() waits (asleep) until the
+            # previous block's H2D from this layer's buffer completed before the kernel writes it.
+            out = self._staging[slot].take((2, n, hkv, kmax, d))
+            if self.faults is not None and self.faults.poison_staging:
+                out.fill_(float("nan"))
         t0 = time.perf_counter()
         q_cpu = self._query_to_host(q)
         t1 = time.perf_counter()
@@ -289,9 +315,52 @@ class RetrievalWorker:
         # float32 to the device, then cast there: a cast on the host would run on PyTorch's
         # OpenMP threads, which spin on for a while after it, into the next kernel call.
         o = res.attn_output.to(self.device, non_blocking=True).to(self.dtype)
-        self._copy_to_pool(job, layer_id, out, res.num_selected.tolist())
+        if out is None:
+            self._fetch_to_pool(job, layer_id, res.indices, res.num_selected.tolist())
+        else:
+            self._copy_to_pool(job, layer_id, out, res.num_selected.tolist())
         job.layer_seconds.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return o.view(n, 1, -1, d)
+
+    def _fetch_meta(self, job: RetrievalJob, sel: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The job's page table and selected counts on the device, for the GPU fetch: copied
+        once per job (every layer selects the same counts) on the copy stream.
+
+        NOTE: the host tensors are pinned and kept on the job until the job is dropped, so the
+        asynchronous copies never read freed memory."""
+        if job.fetch_meta is None or job.fetch_meta[0] != sel:
+            table = job.page_table.to(torch.int32).pin_memory()
+            counts = torch.tensor(sel, dtype=torch.int32).pin_memory()
+            dev_table = table.to(self.device, non_blocking=True)
+            dev_counts = counts.to(self.device, non_blocking=True)
+            job.fetch_meta = (list(sel), table, counts, dev_table, dev_counts)
+        return job.fetch_meta[3], job.fetch_meta[4]
+
+    def _fetch_to_pool(
+        self, job: RetrievalJob, layer_id: int, indices: torch.Tensor, sel: list[int]
+    ) -> None:
+        """The GPU fetch of one layer (``HERALD_FETCH=gpu``): the selected positions to the
+        device through this layer's pinned staging, then :func:`fetch_rows` reads the rows from
+        the CPU pool into rows ``[0, k_r)`` of the idle pool (zeros in ``[k_r, max k)``), all on
+        the copy stream, then the staging's reuse event."""
+        m = max(sel)
+        if m == 0:
+            return
+        pl = layer_id - self.num_dense
+        staging = self._staging[self.pool.layers.index(layer_id)]
+        # NOTE: take() waits until the previous copy out of this layer's staging completed.
+        host = staging.take(tuple(indices.shape))
+        # a plain memcpy: a torch copy would run on PyTorch's OpenMP threads, which spin on
+        # after it into the next kernel call (see _offloaded_layer)
+        ctypes.memmove(host.data_ptr(), indices.contiguous().data_ptr(), 4 * indices.numel())
+        with torch.cuda.stream(self.copy_stream):
+            table, counts = self._fetch_meta(job, sel)
+            dev = host.to(self.device, non_blocking=True)
+            staging.copied()  # recorded on the copy stream, after the copy above
+            fetch_rows(
+                self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, dev, counts,
+                self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id), m,
+            )  # fmt: skip
 
     def _pad_mask(self, job: RetrievalJob, sel: list[int]) -> torch.Tensor:
         """``[n, 1, max(sel), 1]`` bool on the device, true at rows ``>= sel[i]`` of request
