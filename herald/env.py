@@ -41,10 +41,12 @@ variable                       meaning
                                the selection kernel measured faster on them,
                                :mod:`herald.kv.hugepages`)
 ``HERALD_FETCH``               how HERALD's retrieval stream brings the selected K/V rows to the
-                               GPU: ``cpu`` (default: the selection kernel copies them into
-                               pinned staging, then a host-to-device copy) or ``gpu`` (a GPU
-                               kernel reads them from the page-locked CPU pool, the CPU only
-                               selects; needs CUDA and Triton, :mod:`herald.offload.gpu_fetch`)
+                               GPU: ``gpu`` (a GPU kernel reads them from the page-locked CPU
+                               pool, the CPU only selects; needs CUDA and Triton,
+                               :mod:`herald.offload.gpu_fetch`), ``cpu`` (the selection kernel
+                               copies them into pinned staging, then a host-to-device copy) or
+                               ``auto`` (default: ``gpu`` on CUDA where ``HERALD_TRITON`` allows
+                               herald's Triton kernels, measured faster; else ``cpu``)
 =============================  ==================================================================
 """
 
@@ -62,7 +64,7 @@ SELECTION_SCHEDULES = ("auto", "items", "tiles")
 PREFETCH_HINTS = ("none", "t0", "t1", "nta")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 TRITON_CHOICES = ("auto", "all", "0")
-FETCH_CHOICES = ("cpu", "gpu")
+FETCH_CHOICES = ("auto", "cpu", "gpu")
 DEFAULT_PREFETCH = "t0:1"
 
 
@@ -85,7 +87,7 @@ class Settings:
     triton: str = "auto"
     allow_long_context: bool = False
     huge_pages: bool = False
-    fetch: str = "cpu"
+    fetch: str = "auto"
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -156,7 +158,7 @@ def parse(env: dict[str, str]) -> Settings:
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
         allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
         huge_pages=_flag(env, "HERALD_HUGE_PAGES"),
-        fetch=_choice(env, "HERALD_FETCH", FETCH_CHOICES, "cpu"),
+        fetch=_choice(env, "HERALD_FETCH", FETCH_CHOICES, "auto"),
     )
 
 

@@ -10,10 +10,10 @@ centre of the next block through every layer:
   runs exact attention over the CPU pool (prefix pages + tail page, the tail attended but never
   ranked) and returns the output and the top-k rows, the selected K/V rows gathered into pinned
   staging by the same call; one async copy per layer, on a copy stream of the worker's, fills the
-  idle sparse pool while the next layer's projections and selection go on. With
-  ``HERALD_FETCH=gpu`` the kernel only selects: the positions go to the GPU and a GPU kernel on
-  the copy stream reads the rows from the page-locked pool itself
-  (:mod:`herald.offload.gpu_fetch`).
+  idle sparse pool while the next layer's projections and selection go on. With the GPU fetch
+  (``HERALD_FETCH``, by default on CUDA where Triton is present) the kernel only selects: the
+  positions go to the GPU and a GPU kernel on the copy stream reads the rows from the page-locked
+  pool itself (:mod:`herald.offload.gpu_fetch`).
 
 Fences (each has a NOTE where it is enforced):
 - the job starts only after ``ready`` (the main stream's draft/commit KV copies are complete), on
@@ -44,6 +44,7 @@ from herald.kv.cpu_pool import CpuKVPool
 from herald.kv.pinned import PinnedStaging, copy_to_host
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
+from herald.layers.moe_triton import triton_enabled
 from herald.models.base import BlockDiffusionLM, DecoderLayer
 from herald.offload.gpu_fetch import fetch_rows, gpu_fetch_available
 from herald.offload.selection.compact_cpu import compact_args, select_topk_compact
@@ -143,10 +144,11 @@ class RetrievalWorker:
         # the next layer's projections, so the next layer's query (and with it the CPU kernel)
         # would wait for every copy of this layer's rows; here they overlap the next layer.
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
-        # HERALD_FETCH=gpu: the GPU reads the selected rows from the pool (needs CUDA, Triton).
-        self.gpu_fetch = settings().fetch == "gpu" and self.cuda
-        if self.gpu_fetch and not gpu_fetch_available(self.device):
+        # The GPU reads the selected rows from the pool (HERALD_FETCH, herald.env): CUDA only.
+        fetch = settings().fetch
+        if fetch == "gpu" and self.cuda and not gpu_fetch_available(self.device):
             raise RuntimeError("HERALD_FETCH=gpu needs Triton; install it or unset HERALD_FETCH")
+        self.gpu_fetch = self.cuda and (fetch == "gpu" or (fetch == "auto" and triton_enabled()))
         # One pinned staging buffer per offloaded layer: [2, slots, Hkv, k_cap, D] elements, or
         # with the GPU fetch the selected positions only, [slots, Hkv, k_cap] int32.
         hkv, d = cpu_pool.num_kv_heads, cpu_pool.head_dim

@@ -1,4 +1,5 @@
-"""HERALD_FETCH=gpu: the GPU reads the selected rows from the page-locked CPU pool.
+"""HERALD_FETCH=gpu (the default on CUDA): the GPU reads the selected rows from the page-locked
+CPU pool.
 
 The kernel against its PyTorch reference in the Triton interpreter on the CPU (shapes with
 partial tiles, requests that select nothing, pool rows that must stay untouched); on the GPU, the
@@ -73,7 +74,7 @@ def test_fetch_rows_matches_the_reference_in_the_triton_interpreter() -> None:
 
 
 def test_fetch_switch_parses() -> None:
-    assert parse({}).fetch == "cpu"
+    assert parse({}).fetch == "auto"
     assert parse({"HERALD_FETCH": "gpu"}).fetch == "gpu"
     assert parse({"HERALD_FETCH": " CPU "}).fetch == "cpu"
     with pytest.raises(ValueError, match="HERALD_FETCH"):
