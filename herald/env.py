@@ -26,11 +26,12 @@ variable                       meaning
 ``HERALD_COMPILE``             ``0`` turns off ``torch.compile`` of the fused elementwise kernels
 ``HERALD_API_KEY``             the key ``herald serve`` requires as ``Authorization: Bearer KEY``
                                (``--api-key`` wins); unset or empty: no key
-``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: those measured faster,
-                               the block attention on small stores, i.e. the sparse pools, and the
-                               fused MoE router of bf16/fp16 models), ``all`` (also the fused MoE
-                               experts, the dense cache, prefill chunks and the router of float32
-                               models) or ``0`` (none: PyTorch routing, grouped-GEMM MoE and SDPA)
+``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: the block attention on
+                               small stores, i.e. the sparse pools, the fused MoE router and the
+                               RMSNorm of bf16/fp16 models, and the GPU fetch of HERALD_FETCH),
+                               ``all`` (also the fused MoE experts, the dense cache, prefill
+                               chunks, and the router and RMSNorm of float32 models) or ``0``
+                               (none: PyTorch routing and norms, grouped-GEMM MoE and SDPA)
 ``HERALD_ALLOW_LONG_CONTEXT``  ``1`` (or true/yes/on; 0/false/no/off/unset: off): ``herald
                                serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),

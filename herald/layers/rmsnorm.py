@@ -11,11 +11,15 @@ import torch
 from torch import nn
 
 from herald.layers.fusion import cuda_compiled
+from herald.layers.rmsnorm_triton import rms_norm_triton, rms_norm_triton_available
 
 
-@cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim of ``x`` and scale by ``weight``.
+
+    On CUDA with herald's Triton kernels (the default for bf16/fp16), one kernel whose rows do not
+    depend on the call's other rows (:mod:`herald.layers.rmsnorm_triton`); elsewhere
+    :func:`rms_norm_reference` (fused by ``torch.compile`` on CUDA).
 
     Args:
         x: [..., dim], any float dtype.
@@ -25,6 +29,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         [..., dim] in ``x.dtype`` (type promotion with ``weight`` applies, as in HF).
     """
+    if rms_norm_triton_available(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+@cuda_compiled
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in PyTorch, op for op as the HF reference."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
