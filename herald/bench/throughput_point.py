@@ -180,7 +180,9 @@ def _staging_bytes(
     sparse pool's capacity, k_cap + 3B padded to ``kv_pad``); with CPU-gathered rows (InfiniGen,
     MAGE with CPU selection), one layer's, [2, slots, Hkv, <= k_cap + 3B, D], reused layer after
     layer (``OffloadEngine.gather_and_write``); MAGE with GPU selection fetches whole pages
-    without staging. An upper bound; a test checks it against what each engine pins."""
+    without staging. An upper bound; a test checks it against what each engine pins (on the
+    CPU: with the GPU fetch, ``HERALD_FETCH``, the retrieval worker pins only the positions,
+    int32, so on CUDA this bounds it from far above)."""
     b = config.block_size
     k_cap = math.ceil(cfg.kv_budget * (-(-seq // b) * b))
     layers = config.num_layers - min(cfg.num_dense_layers, config.num_layers)
