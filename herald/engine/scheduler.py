@@ -221,7 +221,11 @@ class Scheduler:
             st.pos = end
             if end < n:
                 break  # budget spent; the rest at the next boundary
-            self.prefilling = None
+            with self._lock:
+                # NOTE: it joins the batch now; count it at once, or add() would count its slot
+                # free until the step ends (set_num_running) and let a burst past max_waiting.
+                self.prefilling = None
+                self._num_running += 1
             joined += 1
         return chunks
 
