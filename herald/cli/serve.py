@@ -166,6 +166,23 @@ def front_limits(args: argparse.Namespace) -> FrontLimits:
     )
 
 
+def _check_room(model: str, max_seq_len: int) -> None:
+    """ValueError when ``--max-seq-len`` leaves no room for a one-token prompt and one block of
+    output, read from the model's config before its weights load (a model that cannot be found
+    is left to the loader's own error)."""
+    from herald.models.loader import load_config
+
+    try:
+        block = load_config(model).block_size
+    except (OSError, ValueError):
+        return
+    if max_seq_len <= block:
+        raise ValueError(
+            f"--max-seq-len {max_seq_len} leaves no room for a prompt and one block of {block} "
+            f"tokens: give at least {block + 1}"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset
     from herald.server.defaults import SERVE_DEFAULTS
@@ -187,6 +204,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in flags.items():
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.api_key is not None and not args.api_key.strip():
+        # an unset variable in `--api-key "$KEY"` must not open the server
+        raise ValueError(
+            "--api-key is empty: give the key, or leave the option out (then $HERALD_API_KEY "
+            "if set, else no key)"
+        )
+    _check_room(args.model, args.max_seq_len)
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,

@@ -104,6 +104,10 @@ from herald.cli import main
             ["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-gb", "nan"],
             "--cpu-kv-gb must be a finite positive number",
         ),
+        # an empty key (an unset "$KEY") must not open the server; no room for one block
+        (["serve", "--device", "cpu", "--api-key", ""], "--api-key is empty"),
+        (["serve", "--device", "cpu", "--api-key", "  "], "--api-key is empty"),
+        (["serve", "--device", "cpu", "--max-seq-len", "10"], "give at least 33"),
     ],
 )
 def test_user_errors_are_one_line(argv, message, capsys):
