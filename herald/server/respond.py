@@ -139,6 +139,8 @@ async def sse(reply: Reply) -> AsyncIterator[str]:
                 started.add(c.index)
                 yield _data(_chunk(reply, c, None, True))
         async for ev in events(state, reply.choices, None):
+            if not (ev.text or ev.ids or ev.finish is not None):
+                continue  # a block whose text is all held back (a stop string may start there)
             first = ev.choice.index not in started
             started.add(ev.choice.index)
             yield _data(_chunk(reply, ev.choice, ev, first))

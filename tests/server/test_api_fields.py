@@ -260,6 +260,26 @@ def test_stop_string_cuts_token_ids_and_usage(client: httpx.Client, offline: Off
     assert kept["choices"][0]["token_ids"] == _emitted(offline, ids, text[: cut + len(stop)])
 
 
+def test_a_stream_sends_no_empty_chunk_while_text_is_held_back(client: httpx.Client) -> None:
+    """Text is held back at a block's end while it may be the start of a stop string (or is an
+    unfinished UTF-8 sequence): such a block goes out with a later one, never as an empty chunk.
+    The stop string here is two blocks' text and then a character the model never writes."""
+    body = {"prompt": "stop counting", "max_tokens": 160, "steps": 2}
+    plain = [p["choices"][0] for p in _post_stream(client, "/v1/completions", body)]
+    texts = [p["text"] for p in plain if p["text"]]
+    assert len(texts) >= 4, texts
+    stop = texts[1] + texts[2] + "\U0010ffff"
+    held = _post_stream(client, "/v1/completions", {**body, "stop": stop})
+    parts = [p["choices"][0] for p in held]
+    for chunks in (plain, parts):
+        assert all(p["text"] or p["token_ids"] or p["finish_reason"] for p in chunks), chunks
+        assert "".join(p["text"] for p in chunks) == "".join(texts)
+        assert [t for p in chunks for t in p["token_ids"]] == [
+            t for p in plain for t in p["token_ids"]
+        ]
+    assert len(parts) < len(plain)  # the held blocks went out with a later one
+
+
 def test_tokenize_detokenize_version(client: httpx.Client, server: LiveServer) -> None:
     tok = server.state.tokenizer
     r = client.post("/tokenize", json={"prompt": "hello there", "model": MODEL}).json()
