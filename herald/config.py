@@ -284,7 +284,9 @@ class EngineConfig:
     whole blocks, at least one block): the dense engine admits before every forward, the
     offloading modes once per block, up to this many times the block's forwards; a longer
     prompt is prefilled in chunks over several boundaries while the running requests keep
-    decoding. None: every admitted prompt is prefilled whole."""
+    decoding. It also caps the prefill forward length, so a prompt's pieces, and with them its
+    KV's rounding and possibly a greedy reply, change with it: replies repeat for a fixed value
+    (as for a fixed dtype and device). None: every admitted prompt is prefilled whole."""
     max_waiting: int | None = None
     """Requests waiting beyond the free slots at most; more are refused (a server answers
     HTTP 503 with Retry-After). None: unbounded."""

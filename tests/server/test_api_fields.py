@@ -125,6 +125,12 @@ def test_prompt_lists_and_token_ids(client: httpx.Client, offline: Offline) -> N
         assert [ch["finish_reason"] is not None for ch in mine].count(True) == 1
     bad = client.post("/v1/completions", json={"prompt": [[1, 2], [10**9]], **FAST})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    mask, vocab = offline.tokenizer.mask_token_id, offline.config.vocab_size
+    bad = client.post("/v1/completions", json={"prompt": [5, mask, 7], **FAST})
+    assert bad.status_code == 400 and "mask token" in bad.json()["error"]["message"]
+    for stop in ([vocab], [3, mask]):  # never a token the model emits
+        bad = client.post("/v1/completions", json={"prompt": "x", "stop_token_ids": stop, **FAST})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids", stop
 
 
 def test_chat_content_forms(client: httpx.Client) -> None:
