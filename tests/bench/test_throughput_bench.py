@@ -13,8 +13,11 @@ from herald.bench.throughput_point import classify_failure
 from herald.kv.cpu_pool import CpuPoolFullError
 
 # Fast settings: one warm-up block, one timed block, T = 3, tiny DRAM probe.
+# --dram-reserve-gb 0: the CPU pool and the DRAM check must not depend on how much memory the
+# machine has free (a loaded 2-core box had less than the 16 GiB default reserve)
 FAST = ["--device", "cpu", "--steps", "3", "--warmup-blocks", "1", "--timed-blocks", "1",
-        "--dram-probe-gib", "0.004", "--selection-threads", "2"]  # fmt: skip
+        "--dram-probe-gib", "0.004", "--selection-threads", "2",
+        "--dram-reserve-gb", "0"]  # fmt: skip
 POINT_FIELDS = {
     "kind", "run_id", "model", "context", "variant", "mode", "budget", "gpu_cap_gb", "steps",
     "block_size", "batch", "status", "decode_tokens_per_s", "decode_seconds", "generated_tokens",

@@ -271,7 +271,8 @@ def test_a_measured_folder_refuses_a_block_size_it_was_not_measured_at(tmp_path,
     """End to end: tiny points measured at B = 32, resumed with B = 16 (once '0 points pending'
     and nothing measured)."""
     fast = ["--device", "cpu", "--steps", "3", "--timed-blocks", "1", "--dram-probe-gib",
-            "0.004", "--selection-threads", "2", "--out", str(tmp_path)]  # fmt: skip
+            "0.004", "--selection-threads", "2", "--dram-reserve-gb", "0",
+            "--out", str(tmp_path)]  # fmt: skip
     assert throughput.main([*SWEEP, *fast]) == 0
     assert len([r for r in load_records(tmp_path) if r["kind"] == "point"]) == 2
     capsys.readouterr()
