@@ -120,8 +120,9 @@ class Engine(ABC):
         """
         cfg = self.config
         req = new_request(
-            list(prompt_ids), params, cfg.block_size, self.max_seq_len, cfg.vocab_size
-        )
+            list(prompt_ids), params, cfg.block_size, self.max_seq_len, cfg.vocab_size,
+            cfg.mask_token_id,
+        )  # fmt: skip
         self.scheduler.add(req)  # checks the CPU pages and the queue bound
         return req
 

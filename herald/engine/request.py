@@ -105,13 +105,15 @@ def new_request(
     block_size: int,
     max_seq_len: int,
     vocab_size: int,
+    mask_token_id: int | None = None,
 ) -> Request:
     """Build a :class:`Request` after the checks every engine makes before queueing it.
 
     Raises:
         ValueError: bad sampling params or an empty prompt.
         RequestTooLarge (a ValueError): a prompt + ``max_new_tokens`` longer than
-            ``max_seq_len`` (in whole blocks), or token ids outside ``[0, vocab_size)``.
+            ``max_seq_len`` (in whole blocks), or token ids outside ``[0, vocab_size)`` or equal
+            to ``mask_token_id`` (it marks the positions the model fills: never an input token).
     """
     req = Request(list(prompt_ids), params, block_size)
     if req.layout.total_len > max_seq_len:
@@ -122,10 +124,11 @@ def new_request(
             f"more than the context of {max_seq_len} (max_seq_len)",
             code="context_length_exceeded",
         )
-    bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
+    bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size or t == mask_token_id]
     if bad:
         raise RequestTooLarge(
-            f"prompt holds token ids outside the vocabulary: {bad[:5]}",
+            f"prompt holds token ids outside the vocabulary [0, {vocab_size}) or the mask token "
+            f"{mask_token_id}: {bad[:5]}",
             param="prompt",
             code="invalid_token_ids",
         )
