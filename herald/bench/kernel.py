@@ -101,7 +101,7 @@ def machine_info() -> dict[str, Any]:
 
 def dram_bandwidth(gib: float, threads: int) -> dict[str, float]:
     """GB/s reading a gib-sized bf16 array: torch sum and the native probe, all threads and 1."""
-    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+    x = torch.empty(int(gib * 2**30) // 4 * 2, dtype=torch.bfloat16)  # even: viewed as float32
     x.fill_(1.0)
     xf = x.view(torch.float32)  # same bytes; float32 sum is torch's fastest full read
     nbytes = x.numel() * 2
