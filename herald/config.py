@@ -202,6 +202,14 @@ class OffloadConfig:
     normaliser, which the int8 bounds leave open: with several query heads per KV head it rarely
     holds on real KV (results/compact/README.md), so "int8" stays off until measured faster."""
 
+    retrieval_groups: int | None = None
+    """HERALD's retrieval job in this many request groups, pipelined: while the GPU computes
+    one group's layer output and next query, the CPU kernel selects for another, so the
+    kernel's threads do not wait for the GPU between layers. Each group is a contiguous range of
+    rows; a row's selection is the same in any group. Default (None): ``HERALD_RETRIEVAL_GROUPS``,
+    else 1. Only on CUDA can anything overlap (on the CPU the forward runs on the kernel's
+    cores); 2 is the candidate default there, not yet measured on the GPU."""
+
     def validate(self) -> None:
         checks = {
             "selection_device": (self.selection_device, ("cpu", "gpu")),
@@ -225,6 +233,14 @@ class OffloadConfig:
             raise ValueError("give the CPU pool size in GiB or in tokens, not both")
         if self.num_dense_layers < 0:
             raise ValueError("num_dense_layers must be >= 0")
+        if self.retrieval_groups is not None and (
+            isinstance(self.retrieval_groups, bool)
+            or not isinstance(self.retrieval_groups, int)
+            or self.retrieval_groups < 1
+        ):
+            raise ValueError(
+                f"retrieval_groups must be a positive int, got {self.retrieval_groups!r}"
+            )
         if self.first_pass not in ("none", "int8"):
             raise ValueError(f"first_pass must be 'none' or 'int8', got {self.first_pass!r}")
         if self.first_pass != "none" and (self.mode != "herald" or self.selection_device != "cpu"):

@@ -48,6 +48,11 @@ variable                       meaning
                                copies them into pinned staging, then a host-to-device copy) or
                                ``auto`` (default: ``gpu`` on CUDA where ``HERALD_TRITON`` allows
                                herald's Triton kernels, measured faster; else ``cpu``)
+``HERALD_RETRIEVAL_GROUPS``    a positive integer, or ``auto`` (default: 1): the request groups
+                               HERALD's retrieval job is pipelined over (while the GPU runs one
+                               group's layer output and next query, the CPU kernel selects for
+                               another; :class:`herald.offload.retrieval.RetrievalWorker`); an
+                               ``OffloadConfig.retrieval_groups`` set in code wins
 =============================  ==================================================================
 """
 
@@ -89,6 +94,7 @@ class Settings:
     allow_long_context: bool = False
     huge_pages: bool = False
     fetch: str = "auto"
+    retrieval_groups: int | None = None  # None: auto
 
 
 def _choice(env: dict[str, str], name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -117,6 +123,15 @@ def _threads(env: dict[str, str]) -> int | None:
         return None
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"HERALD_SELECTION_THREADS={raw!r}; expected a positive integer")
+    return int(raw)
+
+
+def _groups(env: dict[str, str]) -> int | None:
+    raw = env.get("HERALD_RETRIEVAL_GROUPS", "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"HERALD_RETRIEVAL_GROUPS={raw!r}; expected auto or a positive integer")
     return int(raw)
 
 
@@ -160,6 +175,7 @@ def parse(env: dict[str, str]) -> Settings:
         allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
         huge_pages=_flag(env, "HERALD_HUGE_PAGES"),
         fetch=_choice(env, "HERALD_FETCH", FETCH_CHOICES, "auto"),
+        retrieval_groups=_groups(env),
     )
 
 

@@ -130,11 +130,12 @@ class PinnedStaging:
         numel: capacity in elements; dtype: element type; pin: register it with CUDA (the
             buffer then supports true async copies at full PCIe speed).
 
-    :meth:`take` returns a contiguous view of ``shape`` (at most ``numel`` elements, else
-    RuntimeError from ``view``) and first waits until the copy recorded by the last
-    :meth:`copied` completed. NOTE: no staging reuse before its copy completed; :meth:`copied`
-    records an event on the current CUDA stream after the caller issued its copies from the
-    view. Zero-filled at creation, so never-written rows read as 0, not NaN bit patterns.
+    :meth:`take` returns a contiguous view of ``shape`` from element ``offset`` (default 0;
+    within ``numel`` elements, else RuntimeError from ``view``) and first waits until the copy
+    recorded by the last :meth:`copied` completed. NOTE: no staging reuse before its copy
+    completed; :meth:`copied` records an event on the current CUDA stream after the caller
+    issued its copies from the view. Zero-filled at creation, so never-written rows read as 0,
+    not NaN bit patterns.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
@@ -144,11 +145,11 @@ class PinnedStaging:
         self._addrs = register_pinned(self.buf) if pin else []
         self._event: torch.cuda.Event | None = None
 
-    def take(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...] | torch.Size, offset: int = 0) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-        return self.buf[: math.prod(shape)].view(shape)
+        return self.buf[offset : offset + math.prod(shape)].view(shape)
 
     def copied(self) -> None:
         if self.pin:

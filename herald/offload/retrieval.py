@@ -41,7 +41,7 @@ from herald.attention.prefix_tail import attend_prefix_and_tail
 from herald.engine.hooks import FaultInjection
 from herald.env import settings
 from herald.kv.cpu_pool import CpuKVPool
-from herald.kv.pinned import PinnedStaging, copy_to_host
+from herald.kv.pinned import PinnedStaging
 from herald.kv.sparse_pool import GpuSparseKVPool
 from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.layers.moe_triton import triton_enabled
@@ -80,13 +80,13 @@ class RetrievalJob:
     # Per offloaded layer: host seconds in (query to host, CPU kernel with its fused gather,
     # issuing the copies).
     layer_seconds: list[tuple[float, float, float]] = field(default_factory=list)
-    # The copies' row mask of the idle pool: (counts, pinned host mask, device mask).
-    pad_mask: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    # The GPU fetch's per-job device tensors: (counts, pinned host table and counts, device
-    # table, device counts).
-    fetch_meta: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
-        None
-    )
+    # Per request group (keyed by its first row): the copies' row mask of the idle pool,
+    # (counts, pinned host mask, device mask); the GPU fetch's device tensors, (counts, pinned
+    # host table and counts, device table, device counts).
+    pad_mask: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    fetch_meta: dict[
+        int, tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     cuda_done: torch.cuda.Event | None = None
     error: BaseException | None = None
@@ -122,6 +122,7 @@ class RetrievalWorker:
         num_threads: int | None = None,
         faults: FaultInjection | None = None,
         kv_pad: int = 0,
+        groups: int | None = None,
     ) -> None:
         self.model = model
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
@@ -132,6 +133,11 @@ class RetrievalWorker:
         self.output_mode, self.num_threads = output_mode, num_threads
         self.faults = faults
         self.kv_pad = kv_pad  # dense layers' key length padding (SlotAttention's kv_pad)
+        if groups is not None and (
+            isinstance(groups, bool) or not isinstance(groups, int) or groups < 1
+        ):
+            raise ValueError(f"groups must be a positive int, got {groups!r}")
+        self.groups = groups if groups is not None else settings().retrieval_groups
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda = self.device.type == "cuda"
@@ -226,71 +232,150 @@ class RetrievalWorker:
         job.seconds = job.t_end - t0
         job.done.set()
 
+    def _group_ranges(self, n: int) -> list[tuple[int, int]]:
+        """The job's rows ``[0, n)`` as contiguous request groups ``[a, e)`` of near-equal
+        size (see ``OffloadConfig.retrieval_groups``)."""
+        g = self.groups if self.groups is not None else 1
+        g = max(1, min(g, n))
+        bounds = [n * i // g for i in range(g + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(g)]
+
     def _select(self, job: RetrievalJob) -> None:
+        """The representative query's forward through every layer, in request groups.
+
+        NOTE: the pipeline: right after a group's layer output is queued on the stream, the
+        next layer's query projection and its copy to the host are queued behind it, then the
+        host turns to the next group's selection. So while the CPU kernel selects for one group,
+        the GPU computes the others' layer outputs and next queries, and the kernel's threads
+        do not wait for the GPU between layers (with one group they do, ~5 ms per layer at
+        LLaDA2.0-mini 32K bs 80, results/offload/gpu_fetch/). A row's inputs are the same in any
+        group: its selection too. One group is the default until the split is measured on the
+        GPU (``OffloadConfig.retrieval_groups``).
+        """
         n, b = len(job.request_ids), self.block_size
         self._inject_delay()
+        ranges = self._group_ranges(n)
         ids = torch.full((n, 1), self.mask_token_id, dtype=torch.long, device=self.device)
         pos = torch.tensor(job.query_positions, dtype=torch.long, device=self.device)[:, None]
-        hidden = self.model.embed(ids)
         seq = torch.tensor([p + b for p in job.prefix_lens], dtype=torch.int32)
         tails = torch.full((n,), b, dtype=torch.int32)
         budgets = torch.tensor([max(x, 1) for x in job.budgets], dtype=torch.int32)
+        hidden = [self.model.embed(ids[a:e]) for a, e in ranges]
+        # per group: the current layer's query (device) and, for an offloaded layer, its host
+        # copy in flight (pinned view, event) or None (on the CPU)
+        queries: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.cuda.Event] | None]] = [
+            self._query(0, self.layers[0], hidden[g], pos[a:e], a)
+            for g, (a, e) in enumerate(ranges)
+        ]
+        last = len(self.layers) - 1
         for layer_id, layer in enumerate(self.layers):
-            q, _, _ = layer.qkv(hidden, pos)
-            if layer_id < self.num_dense:
-                kc, vc = self.dense_k[layer_id], self.dense_v[layer_id]
-                assert kc is not None and vc is not None
-                o = attend_prefix_and_tail(
-                    q, kc[:n], vc[:n], job.prefix_lens, job.dense_tail_start, b, self.kv_pad
-                )
-            else:
-                o = self._offloaded_layer(job, layer_id, q, seq, tails, budgets)
-            hidden = layer.finish(hidden, o)
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for g, (a, e) in enumerate(ranges):
+                q, pending = queries[g]
+                if layer_id < self.num_dense:
+                    kc, vc = self.dense_k[layer_id], self.dense_v[layer_id]
+                    assert kc is not None and vc is not None
+                    o = attend_prefix_and_tail(
+                        q, kc[a:e], vc[a:e], job.prefix_lens[a:e], job.dense_tail_start[a:e], b,
+                        self.kv_pad,
+                    )  # fmt: skip
+                else:
+                    o = self._offloaded_layer(
+                        job, layer_id, q, pending, (a, e), seq[a:e], tails[a:e], budgets[a:e],
+                        g == len(ranges) - 1, parts,
+                    )  # fmt: skip
+                hidden[g] = layer.finish(hidden[g], o)
+                if layer_id < last:
+                    queries[g] = self._query(
+                        layer_id + 1, self.layers[layer_id + 1], hidden[g], pos[a:e], a
+                    )
+            if job.record and parts:
+                job.recorded[layer_id] = _merge_records(parts)
             self._inject_delay()
 
     def _inject_delay(self) -> None:
         if self.faults is not None and self.faults.max_delay > 0:
             time.sleep(self.faults.delay())
 
-    def _query_to_host(self, q: torch.Tensor) -> torch.Tensor:
-        """The layer's query ``[n, 1, H, D]`` bf16 on the host, once this stream computed it.
+    def _query(
+        self, layer_id: int, layer: DecoderLayer, hidden: torch.Tensor, pos: torch.Tensor, row0: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.cuda.Event] | None]:
+        """A group's query at ``layer_id`` queued on this stream and, for an offloaded layer on
+        CUDA, its copy to the host queued behind it (waited for by :meth:`_query_to_host`)."""
+        q, _, _ = layer.qkv(hidden, pos)
+        if layer_id < self.num_dense or not self.cuda:
+            return q, None
+        return q, self._start_query_copy(q, row0)
 
-        NOTE: into pinned memory, then a blocking wait (copy_to_host): a plain ``q.to("cpu")``
-        is a copy to pageable memory that spins a core until this stream (behind the layer's
-        projections, at a low share of a GPU busy with a denoising forward) gets there, a core
-        the kernel's threads need. The buffer is reused per layer: the kernel reading it
-        returns before the next layer's copy is queued."""
-        if not self.cuda:
-            return q.to(torch.bfloat16)
+    def _start_query_copy(
+        self, q: torch.Tensor, row0: int
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """``q`` ``[n, 1, H, D]`` copied (bf16) into rows ``row0..`` of the pinned query buffer
+        on this stream; returns the host view and a blocking event recorded after the copy.
+
+        NOTE: into pinned memory, then a blocking wait (:meth:`_query_to_host`): a plain
+        ``q.to("cpu")`` is a copy to pageable memory that spins a core until this stream (behind
+        the layer's projections, at a low share of a GPU busy with a denoising forward) gets
+        there, a core the kernel's threads need. Each group copies into its own rows of the
+        buffer; a group's next copy is queued only after its kernel call returned."""
+        per_row = q[0].numel()
         if self._q_host is None:  # (small: from PyTorch's pinned allocator)
-            numel = self.pool.num_slots * q[0].numel()
-            self._q_host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
-        return copy_to_host(q.to(torch.bfloat16), self._q_host[: q.numel()].view(q.shape))
+            self._q_host = torch.empty(
+                self.pool.num_slots * per_row, dtype=torch.bfloat16, pin_memory=True
+            )
+        host = self._q_host[row0 * per_row : row0 * per_row + q.numel()].view(q.shape)
+        host.copy_(q.to(torch.bfloat16), non_blocking=True)
+        event = torch.cuda.Event(blocking=True)
+        event.record()
+        return host, event
+
+    def _query_to_host(
+        self, q: torch.Tensor, pending: tuple[torch.Tensor, torch.cuda.Event] | None
+    ) -> torch.Tensor:
+        """The layer's query ``[n, 1, H, D]`` bf16 on the host, once this stream computed and
+        copied it (asleep until then, see :meth:`_start_query_copy`)."""
+        if pending is None:
+            return q.to(torch.bfloat16)
+        host, event = pending
+        event.synchronize()
+        return host
 
     def _offloaded_layer(
         self,
         job: RetrievalJob,
         layer_id: int,
         q: torch.Tensor,
+        pending: tuple[torch.Tensor, torch.cuda.Event] | None,
+        rows: tuple[int, int],
         seq: torch.Tensor,
         tails: torch.Tensor,
         budgets: torch.Tensor,
+        last_group: bool,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        n = len(job.request_ids)
+        """One offloaded layer for the group of job rows ``rows = [a, e)``: the CPU kernel's
+        selection and attention output, and the selected rows on their way into the idle pool.
+        ``last_group``: the layer's staging is marked copied after this group's copies (one
+        event for all the groups' copies: they run in order on the copy stream)."""
+        a, e = rows
+        n = e - a
         pl = layer_id - self.num_dense
         kp, vp = self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl)
         hkv, d = kp.shape[1], kp.shape[3]
         kmax = max(1, int(torch.minimum(budgets, seq - tails).max()))  # select_topk's k_max
-        slot = self.pool.layers.index(layer_id)
+        staging = self._staging[self.pool.layers.index(layer_id)]
         out = None
         if not self.gpu_fetch:
             # NOTE: no staging reuse before its copy is done: take() waits (asleep) until the
-            # previous block's H2D from this layer's buffer completed before the kernel writes it.
-            out = self._staging[slot].take((2, n, hkv, kmax, d))
+            # previous block's H2D from this layer's buffer completed before the kernel writes it
+            # (the first group; the later ones find the wait done). Each group writes its own
+            # region: its rows times the pool's capacity.
+            shape = (2, n, hkv, kmax, d)
+            out = staging.take(shape, offset=a * 2 * hkv * self.pool.capacity * d)
             if self.faults is not None and self.faults.poison_staging:
                 out.fill_(float("nan"))
         t0 = time.perf_counter()
-        q_cpu = self._query_to_host(q)
+        q_cpu = self._query_to_host(q, pending)
         t1 = time.perf_counter()
         # The kernel gathers the selected K/V rows into the staging itself (gather_out), each
         # (request, KV head) as soon as its top-k is known: no separate gather pass.
@@ -300,7 +385,7 @@ class RetrievalWorker:
             q_cpu,
             kp,
             vp,
-            job.page_table,
+            job.page_table[a:e],
             seq,
             budgets,
             tail_lens=tails,
@@ -310,96 +395,135 @@ class RetrievalWorker:
             **compact,
         )
         t2 = time.perf_counter()
-        if not job.num_selected:
-            job.num_selected = res.num_selected.tolist()
+        sel = res.num_selected.tolist()
+        if len(job.num_selected) < e:  # the first offloaded layer (every layer selects as many)
+            job.num_selected.extend(sel)
         if job.record:
-            job.recorded[layer_id] = (q_cpu.clone(), res.indices.clone())
+            parts.append((q_cpu.clone(), res.indices.clone()))
         # float32 to the device, then cast there: a cast on the host would run on PyTorch's
         # OpenMP threads, which spin on for a while after it, into the next kernel call.
         o = res.attn_output.to(self.device, non_blocking=True).to(self.dtype)
         if out is None:
-            self._fetch_to_pool(job, layer_id, res.indices, res.num_selected.tolist())
+            self._fetch_to_pool(job, layer_id, res.indices, sel, a, last_group)
         else:
-            self._copy_to_pool(job, layer_id, out, res.num_selected.tolist())
+            self._copy_to_pool(job, layer_id, out, sel, a, last_group)
         job.layer_seconds.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return o.view(n, 1, -1, d)
 
-    def _fetch_meta(self, job: RetrievalJob, sel: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The job's page table and selected counts on the device, for the GPU fetch: copied
-        once per job (every layer selects the same counts) on the copy stream.
+    def _fetch_meta(
+        self, job: RetrievalJob, sel: list[int], a: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page table and selected counts of the job's group at row ``a`` on the device,
+        for the GPU fetch: copied once per job and group (every layer selects the same counts)
+        on the copy stream.
 
         NOTE: the host tensors are pinned and kept on the job until the job is dropped, so the
         asynchronous copies never read freed memory."""
-        if job.fetch_meta is None or job.fetch_meta[0] != sel:
-            table = job.page_table.to(torch.int32).pin_memory()
+        meta = job.fetch_meta.get(a)
+        if meta is None or meta[0] != sel:
+            table = job.page_table[a : a + len(sel)].to(torch.int32).pin_memory()
             counts = torch.tensor(sel, dtype=torch.int32).pin_memory()
             dev_table = table.to(self.device, non_blocking=True)
             dev_counts = counts.to(self.device, non_blocking=True)
-            job.fetch_meta = (list(sel), table, counts, dev_table, dev_counts)
-        return job.fetch_meta[3], job.fetch_meta[4]
+            meta = job.fetch_meta[a] = (list(sel), table, counts, dev_table, dev_counts)
+        return meta[3], meta[4]
 
     def _fetch_to_pool(
-        self, job: RetrievalJob, layer_id: int, indices: torch.Tensor, sel: list[int]
+        self,
+        job: RetrievalJob,
+        layer_id: int,
+        indices: torch.Tensor,
+        sel: list[int],
+        a: int,
+        last_group: bool,
     ) -> None:
-        """The GPU fetch of one layer (``HERALD_FETCH=gpu``): the selected positions to the
-        device through this layer's pinned staging, then :func:`fetch_rows` reads the rows from
-        the CPU pool into rows ``[0, k_r)`` of the idle pool (zeros in ``[k_r, max k)``), all on
-        the copy stream, then the staging's reuse event."""
+        """The GPU fetch of one layer for the group at job row ``a`` (``HERALD_FETCH=gpu``):
+        the selected positions to the device through this layer's pinned staging, then
+        :func:`fetch_rows` reads the rows from the CPU pool into rows ``[0, k_r)`` of the
+        group's slots of the idle pool (zeros in ``[k_r, max k)``), all on the copy stream,
+        then (last group) the staging's reuse event."""
         m = max(sel)
-        if m == 0:
-            return
         pl = layer_id - self.num_dense
         staging = self._staging[self.pool.layers.index(layer_id)]
-        # NOTE: take() waits until the previous copy out of this layer's staging completed.
-        host = staging.take(tuple(indices.shape))
-        # a plain memcpy: a torch copy would run on PyTorch's OpenMP threads, which spin on
-        # after it into the next kernel call (see _offloaded_layer)
-        ctypes.memmove(host.data_ptr(), indices.contiguous().data_ptr(), 4 * indices.numel())
+        if m > 0:
+            # NOTE: take() waits until the previous copy out of this layer's staging completed
+            # (the first group; each group has its own region).
+            host = staging.take(
+                tuple(indices.shape), offset=a * indices.shape[1] * self.pool.capacity
+            )
+            # a plain memcpy: a torch copy would run on PyTorch's OpenMP threads, which spin on
+            # after it into the next kernel call (see _offloaded_layer)
+            ctypes.memmove(host.data_ptr(), indices.contiguous().data_ptr(), 4 * indices.numel())
         with torch.cuda.stream(self.copy_stream):
-            table, counts = self._fetch_meta(job, sel)
-            dev = host.to(self.device, non_blocking=True)
-            staging.copied()  # recorded on the copy stream, after the copy above
-            fetch_rows(
-                self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, dev, counts,
-                self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id), m,
-            )  # fmt: skip
+            if m > 0:
+                table, counts = self._fetch_meta(job, sel, a)
+                dev = host.to(self.device, non_blocking=True)
+                n = len(sel)
+                fetch_rows(
+                    self.cpu_pool.k_pages(pl), self.cpu_pool.v_pages(pl), table, dev, counts,
+                    self.pool.k(job.buffer, layer_id)[a : a + n],
+                    self.pool.v(job.buffer, layer_id)[a : a + n], m,
+                )  # fmt: skip
+            if last_group:
+                staging.copied()  # recorded on the copy stream, after every group's copies
 
-    def _pad_mask(self, job: RetrievalJob, sel: list[int]) -> torch.Tensor:
-        """``[n, 1, max(sel), 1]`` bool on the device, true at rows ``>= sel[i]`` of request
-        ``i``: built once per job (every layer selects the same counts) on the copy stream.
+    def _pad_mask(self, job: RetrievalJob, sel: list[int], a: int) -> torch.Tensor:
+        """``[n, 1, max(sel), 1]`` bool on the device, true at rows ``>= sel[i]`` of the group's
+        request ``i``: built once per job and group (every layer selects the same counts) on the
+        copy stream.
 
         NOTE: the host tensor is pinned and kept on the job until the job is dropped, so the
         asynchronous copy never reads freed memory."""
-        if job.pad_mask is None or job.pad_mask[0] != sel:
+        mask = job.pad_mask.get(a)
+        if mask is None or mask[0] != sel:
             m = max(sel)
             host = torch.arange(m)[None, :] >= torch.tensor(sel)[:, None]
             if self.cuda:
                 host = host.pin_memory()
             dev = host.to(self.device, non_blocking=True).view(len(sel), 1, m, 1)
-            job.pad_mask = (list(sel), host, dev)
-        return job.pad_mask[2]
+            mask = job.pad_mask[a] = (list(sel), host, dev)
+        return mask[2]
 
     def _copy_to_pool(
-        self, job: RetrievalJob, layer_id: int, out: torch.Tensor, sel: list[int]
+        self,
+        job: RetrievalJob,
+        layer_id: int,
+        out: torch.Tensor,
+        sel: list[int],
+        a: int,
+        last_group: bool,
     ) -> None:
-        """Staging ``out`` -> rows ``[0, k_r)`` of the idle pool at ``layer_id``, on the copy
-        stream (CUDA), then the staging's reuse event on that stream.
+        """Staging ``out`` -> rows ``[0, k_r)`` of the group's slots (from job row ``a``) of the
+        idle pool at ``layer_id``, on the copy stream (CUDA), then (last group) the staging's
+        reuse event on that stream.
 
         NOTE: rows past a request's k_r (num_selected) in the staging buffer are stale or
         uninitialised: left in the pool they would be garbage (possibly NaN bit patterns) in
         rows that attention masks but still multiplies by zero (0 * NaN = NaN). They are copied
-        with the rest (one copy for the batch) and zeroed on the device in the same stream."""
+        with the rest (one copy for the group) and zeroed on the device in the same stream."""
         n, m = len(sel), max(sel)
-        kd, vd = self.pool.k(job.buffer, layer_id), self.pool.v(job.buffer, layer_id)
+        kd = self.pool.k(job.buffer, layer_id)[a : a + n]
+        vd = self.pool.v(job.buffer, layer_id)[a : a + n]
         staging = self._staging[self.pool.layers.index(layer_id)]
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
             # One copy per tensor of rows [0, m) of every request, m the largest k: a copy per
             # request (rows of different k, as a server's mixed prompt lengths give) was a
             # strided host-to-device copy each, 2 x n x layers of them, 0.2-0.4 s per block.
-            kd[:n, :, :m].copy_(out[0, :, :, :m], non_blocking=True)
-            vd[:n, :, :m].copy_(out[1, :, :, :m], non_blocking=True)
+            kd[:, :, :m].copy_(out[0, :, :, :m], non_blocking=True)
+            vd[:, :, :m].copy_(out[1, :, :, :m], non_blocking=True)
             if any(x != m for x in sel):  # then zero the copied rows [k_r, m) (see the NOTE)
-                pad = self._pad_mask(job, sel)
-                kd[:n, :, :m].masked_fill_(pad, 0)
-                vd[:n, :, :m].masked_fill_(pad, 0)
-            staging.copied()  # recorded on the copy stream, after the copies above
+                pad = self._pad_mask(job, sel, a)
+                kd[:, :, :m].masked_fill_(pad, 0)
+                vd[:, :, :m].masked_fill_(pad, 0)
+            if last_group:
+                staging.copied()  # recorded on the copy stream, after every group's copies
+
+
+def _merge_records(
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's recorded (host query, indices) of every group, in row order; the indices
+    padded with -1 to the widest group's k_max."""
+    width = max(idx.shape[2] for _, idx in parts)
+    padded = [torch.nn.functional.pad(idx, (0, width - idx.shape[2]), value=-1) for _, idx in parts]
+    return torch.cat([q for q, _ in parts]), torch.cat(padded)

@@ -108,28 +108,32 @@ def test_gpu_fetch_gives_the_cpu_fetchs_tokens(
     preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same tokens with either fetch, at a budget that selects (0.3) and at 1.0, and with the
-    retrieval stream's random delays (races of the copy stream against the main stream)."""
+    retrieval stream's random delays (races of the copy stream against the main stream); at 0.3
+    also with the retrieval job in 3 request groups (each group's fetch, staging region and
+    query copy racing the others')."""
     config = get_preset(preset)
     model = build_model(config, device="cuda", dtype=torch.bfloat16, seed=1)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 33, 130, 5)]
     params = SamplingParams(max_new_tokens=160, num_denoise_steps=6, ignore_eos=True)
-    outs: dict[tuple[str, float, bool], list[list[int]]] = {}
+    outs: dict[tuple[str, float, bool, int], list[list[int]]] = {}
     for fetch in ("cpu", "gpu"):
         monkeypatch.setenv("HERALD_FETCH", fetch)
-        for budget in (0.3, 1.0):
+        for budget, groups in ((0.3, 1), (0.3, 3), (1.0, 1)):
             for delays in (False, True):
                 faults = FaultInjection(max_delay=0.004, seed=3) if delays else None
-                cfg = OffloadConfig.for_mode("herald", kv_budget=budget, selection_threads=2)
+                cfg = OffloadConfig.for_mode(
+                    "herald", kv_budget=budget, selection_threads=2, retrieval_groups=groups
+                )
                 eng = make_engine(model, config, cfg, hooks=EngineHooks(faults=faults),
                                   max_batch_size=4, max_seq_len=320)  # fmt: skip
                 try:
                     assert eng.policy.worker.gpu_fetch is (fetch == "gpu")  # type: ignore[attr-defined]
-                    outs[fetch, budget, delays] = [
+                    outs[fetch, budget, delays, groups] = [
                         r.output_ids for r in eng.generate(prompts, params)
                     ]
                 finally:
                     eng.close()
                 assert eng.cpu_pool.num_used_pages == 0
     for key, got in outs.items():
-        assert got == outs["cpu", key[1], False], key
+        assert got == outs["cpu", key[1], False, 1], key

@@ -605,3 +605,90 @@ def test_the_lockstep_engine_prefills_its_budget_times_the_blocks_forwards():
     # then three denoising steps and the commit per block: 4 blocks' worth per boundary (not
     # the unscaled one block) until the fourth prompt's remaining 8 blocks are prefilled
     assert [c[1:] for c in running] == [(4, 4 * b), (4, 4 * b)]
+
+
+@pytest.mark.parametrize(
+    "output_mode,faults",
+    [("selected", None), ("full", None), ("selected", FaultInjection(max_delay=0.003, seed=5))],
+)
+def test_retrieval_groups_leave_tokens_unchanged(output_mode, faults):
+    """The retrieval job pipelined over 2 or 3 request groups (each group's staging region, pool
+    rows, query copy and page-table slice) decodes the tokens of the one-group job, with rows of
+    different lengths (so the groups' k differ) and, in one case, random delays in the job."""
+    model, config = _model("tiny-llada2")
+    prompts = _prompts(config, [90, 33, 64, 5, 120], seed=6)
+    params = SamplingParams(max_new_tokens=96, num_denoise_steps=4, ignore_eos=True)
+    outs = {}
+    for groups in (1, 2, 3):
+        cfg = OffloadConfig.for_mode(
+            "herald", kv_budget=0.3, selection_threads=2, output_mode=output_mode,
+            retrieval_groups=groups,
+        )  # fmt: skip
+        eng = make_engine(
+            model, config, cfg, hooks=EngineHooks(faults=faults), max_batch_size=5, max_seq_len=256
+        )
+        try:
+            assert (
+                eng.policy.worker._group_ranges(5)
+                == {1: [(0, 5)], 2: [(0, 2), (2, 5)], 3: [(0, 1), (1, 3), (3, 5)]}[groups]
+            )
+            outs[groups] = [r.output_ids for r in eng.generate(prompts, params)]
+        finally:
+            eng.close()
+        assert eng.cpu_pool.num_used_pages == 0
+    assert outs[2] == outs[1]
+    assert outs[3] == outs[1]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_grouped_selection_equals_reference(groups):
+    """Each group's top-k, merged in row order (indices padded with -1 to the widest group),
+    equals the PyTorch reference on the whole job's query and KV."""
+    model, config = _model("tiny-llada2")
+    prompts = _prompts(config, [100, 40, 70], seed=2)
+    cfg = OffloadConfig.for_mode(
+        "herald", kv_budget=0.25, selection_threads=2, retrieval_groups=groups
+    )
+    recorder = SelectionRecorder()
+    eng = make_engine(
+        model, config, cfg, hooks=EngineHooks(on_selection=recorder), max_batch_size=3,
+        max_seq_len=256,
+    )  # fmt: skip
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True, num_denoise_steps=4))
+    b = config.block_size
+    checked, seen = 0, set()
+    while eng.has_unfinished():
+        eng.step()
+        for job in recorder.jobs:
+            if id(job) in seen or not job.done.is_set():
+                continue
+            seen.add(id(job))
+            n = len(job.request_ids)
+            seq = torch.tensor([p + b for p in job.prefix_lens], dtype=torch.int32)
+            tails = torch.full((n,), b, dtype=torch.int32)
+            budgets = torch.tensor([max(x, 1) for x in job.budgets], dtype=torch.int32)
+            for layer, (q, idx) in job.recorded.items():
+                assert q.shape[0] == n
+                pl = layer - eng.num_dense
+                ref = select_topk_torch(
+                    q, eng.cpu_pool.k_pages(pl), eng.cpu_pool.v_pages(pl), job.page_table, seq,
+                    budgets, tail_lens=tails,
+                )  # fmt: skip
+                assert torch.equal(ref.indices, idx), (layer, job.prefix_lens)
+                checked += 1
+    assert checked >= 4
+    eng.close()
+
+
+def test_retrieval_groups_setting():
+    from herald.env import parse
+
+    assert parse({}).retrieval_groups is None
+    assert parse({"HERALD_RETRIEVAL_GROUPS": "auto"}).retrieval_groups is None
+    assert parse({"HERALD_RETRIEVAL_GROUPS": "3"}).retrieval_groups == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ValueError, match="HERALD_RETRIEVAL_GROUPS"):
+            parse({"HERALD_RETRIEVAL_GROUPS": bad})
+    with pytest.raises(ValueError, match="retrieval_groups"):
+        OffloadConfig.for_mode("herald", retrieval_groups=0)

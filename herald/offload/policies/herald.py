@@ -46,6 +46,7 @@ class HeraldPolicy(SelectionPolicy):
             num_threads=core.selection_threads,
             faults=core.hooks.faults,
             kv_pad=core.kv_pad,
+            groups=off.retrieval_groups,
         )
 
     def on_draft(self, draft_kv: torch.Tensor) -> None:
