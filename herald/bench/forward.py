@@ -79,7 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p, "--contexts", kind=tokens, metavar="TOKENS",
         help="contexts (prompt tokens), e.g. 2K 32K (with --batches; default: the targets')",
     )  # fmt: skip
-    add_list(p, "--batches", kind=int, metavar="BATCH", help="batch sizes (with --contexts)")
+    add_list(
+        p,
+        "--batches",
+        kind=int,
+        metavar="BATCH",
+        help="batch sizes (with --contexts; default: the targets')",
+    )
     add_list(p, "--modes", choices=ff.MODES, default=list(ff.MODES), help="forwards to time")
     p.add_argument("--budget", type=float, default=0.05, help="HERALD's KV budget (fraction)")
     p.add_argument("--reps", type=int, default=20, help="timed forwards per point (median)")
@@ -116,10 +122,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu or cuda[:N] (default: cuda if available)",
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=32, help="tokens per block")
-    p.add_argument("--selection-threads", type=int, default=None, help="CPU selection threads")
+    p.add_argument(
+        "--selection-threads",
+        type=int,
+        default=None,
+        help="CPU selection threads (default: every usable core, or $HERALD_SELECTION_THREADS)",
+    )
     p.add_argument("--dram-reserve-gb", type=float, default=4.0, help="GiB of DRAM kept free")
     p.add_argument("--dry-run", action="store_true", help="print the points and floors only")
-    p.add_argument("--report", type=Path, default=None, help="only rebuild DIR/forward.md")
+    p.add_argument(
+        "--report", type=Path, default=None, help="only rebuild DIR/forward.md (default: measure)"
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 

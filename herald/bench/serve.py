@@ -81,13 +81,28 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--url",
         default=None,
         help="load the server already running at this "
-        "address (http://HOST:PORT) instead of starting one",
+        "address (http://HOST:PORT) instead of starting one (default: start one)",
     )
-    p.add_argument("--api-key", default=None, help="Bearer key of the --url server")
+    p.add_argument("--api-key", default=None, help="Bearer key of the --url server (default: none)")
     p.add_argument("--mode", default=None, choices=list(MODES), help="engine (default: dense)")
-    p.add_argument("--kv-budget", type=float, default=None, help="offloading modes' KV budget")
-    p.add_argument("--cpu-kv-gb", type=float, default=None, help="offloading modes: CPU pool GiB")
-    p.add_argument("--cpu-kv-tokens", type=int, default=None, help="CPU pool size in tokens")
+    p.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="offloading modes' KV budget (default: the mode's)",
+    )
+    p.add_argument(
+        "--cpu-kv-gb",
+        type=float,
+        default=None,
+        help="offloading modes: CPU pool GiB (default: what the batch and length need)",
+    )
+    p.add_argument(
+        "--cpu-kv-tokens",
+        type=int,
+        default=None,
+        help="CPU pool size in tokens (default: --cpu-kv-gb, else what the batch and length need)",
+    )
     p.add_argument(
         "--max-batch-size",
         type=int,

@@ -57,8 +57,16 @@ def _cap(text: str) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("one sweep (without --plan)")
-    g.add_argument("--model", help="preset name or checkpoint directory")
-    add_list(g, "--context", kind=int, metavar="TOKENS", help="context length(s) in tokens")
+    g.add_argument(
+        "--model", help="preset name or checkpoint directory (default: none; needed without --plan)"
+    )
+    add_list(
+        g,
+        "--context",
+        kind=int,
+        metavar="TOKENS",
+        help="context length(s) in tokens (default: none; needed without --plan)",
+    )
     add_list(
         g,
         "--mode",
@@ -74,12 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV budget of offloading modes (default: the mode's, e.g. herald 0.05)",
     )
-    add_list(g, "--batches", kind=int, metavar="BATCH", help="batch sizes")
+    add_list(
+        g, "--batches", kind=int, metavar="BATCH",
+        help="batch sizes (default: each mode's largest that fits, found by the sweep)",
+    )  # fmt: skip
     g.add_argument(
         "--gpu-memory-gb",
         type=float,
         default=None,
-        help="cap GPU memory at this many GB (emulates a smaller GPU)",
+        help="cap GPU memory at this many GB (emulates a smaller GPU; default: no cap)",
     )
     g.add_argument("--steps", type=int, default=20, help="fixed denoising steps T per block")
     g = p.add_argument_group("plans")
@@ -88,14 +99,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["all", "table2", "fig13", "fig14", "smoke"],
         default=None,
         help="run the sweeps of a table or figure of the report (all: every one), instead of "
-        "one sweep",
+        "one sweep (default: none, the one sweep of --model, --context, --mode)",
     )
-    g.add_argument("--part", default=None, help="i/n: run part i of n of the selected sweeps")
-    add_list(g, "--models", metavar="MODEL", help="filter: models")
-    add_list(g, "--contexts", kind=int, metavar="TOKENS", help="filter: contexts")
-    add_list(g, "--modes", metavar="VARIANT", help="filter: variants")
-    add_list(g, "--caps", kind=_cap, metavar="CAP", help="filter: GPU caps in GB (none: uncapped)")
-    add_list(g, "--figures", metavar="FIGURE", help="filter: figures (table2, fig13, ...)")
+    g.add_argument(
+        "--part",
+        default=None,
+        help="i/n: run part i of n of the selected sweeps (default: all of them)",
+    )
+    add_list(g, "--models", metavar="MODEL", help="filter: models (default: every one)")
+    add_list(
+        g, "--contexts", kind=int, metavar="TOKENS", help="filter: contexts (default: every one)"
+    )
+    add_list(g, "--modes", metavar="VARIANT", help="filter: variants (default: every one)")
+    add_list(
+        g,
+        "--caps",
+        kind=_cap,
+        metavar="CAP",
+        help="filter: GPU caps in GB, none: uncapped (default: every one)",
+    )
+    add_list(
+        g,
+        "--figures",
+        metavar="FIGURE",
+        help="filter: figures, table2, fig13, ... (default: every one)",
+    )
     g.add_argument("--dry-run", action="store_true", help="list pending points and exit")
     g = p.add_argument_group("measurement")
     _add_engine_arguments(g)
@@ -219,7 +247,7 @@ def _add_run_arguments(g: Any) -> None:
         "--report",
         type=Path,
         default=None,
-        help="only rebuild DIR/README.md and the plots from DIR/*.jsonl",
+        help="only rebuild DIR/README.md and the plots from DIR/*.jsonl (default: measure)",
     )
 
 

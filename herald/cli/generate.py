@@ -30,8 +30,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     g = sub.add_parser("generate", help="decode a prompt and print the completion and stats")
     add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    src.add_argument("--prompt", help="prompt text (no default: give it or --prompt-file)")
+    src.add_argument(
+        "--prompt-file",
+        type=Path,
+        help="read the prompt from this file (no default: give it or --prompt)",
+    )
     g.add_argument(
         "--max-new-tokens",
         type=int,

@@ -22,6 +22,9 @@ from herald.engines import MODES
 from herald.server.defaults import DEFAULT_HOST, DEFAULT_PORT
 
 if TYPE_CHECKING:
+    import torch
+
+    from herald.config import OffloadConfig
     from herald.server.defaults import FrontLimits
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
@@ -80,8 +83,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         nargs="+",
         default=None,
         metavar="NAME",
-        help="the model id /v1/models reports and requests may name; several: the first is "
-        "reported, each accepted (default: the model's name, a directory's last component)",
+        help="the model id /v1/models reports and requests may name; several: /v1/models lists "
+        "each, requests may name any, responses carry the first (default: the model's name, a "
+        "directory's last component)",
     )
     s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     s.add_argument(
@@ -183,6 +187,57 @@ def _check_room(model: str, max_seq_len: int) -> None:
         )
 
 
+def _check_kv_memory(
+    args: argparse.Namespace,
+    device: torch.device,
+    offload: OffloadConfig | None,
+    dtype: torch.dtype,
+) -> None:
+    """ValueError, before the model loads, when the KV the flags ask for is more than this
+    machine's available memory: the CPU pool of an offloading mode (``--cpu-kv-tokens``, or
+    by default every slot at ``--max-seq-len``; ``--cpu-kv-gb`` is checked with the other pool
+    flags) and, on the CPU device, the dense engine's KV store. A lower bound (the model's
+    weights and the engine's buffers come on top); a model whose config cannot be read is
+    left to the loader's own error."""
+    import torch
+
+    from herald.cliargs import memory_gib
+    from herald.models.loader import load_config
+
+    memory = memory_gib()
+    try:
+        cfg = load_config(args.model)
+    except (OSError, ValueError):
+        return
+    if memory is None:
+        return
+    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    slots_tokens = args.max_batch_size * args.max_seq_len
+    if offload is not None:
+        if offload.cpu_kv_gb is not None:
+            return
+        layers = max(cfg.num_layers - offload.num_dense_layers, 0)
+        tokens = offload.cpu_kv_tokens if offload.cpu_kv_tokens is not None else slots_tokens
+        flags = (
+            f"--cpu-kv-tokens {tokens}"
+            if offload.cpu_kv_tokens is not None
+            else f"--max-batch-size {args.max_batch_size} x --max-seq-len {args.max_seq_len}"
+        )
+        what = "the CPU KV pool of"
+    elif device.type == "cpu":
+        layers, tokens = cfg.num_layers, slots_tokens
+        flags = f"--max-batch-size {args.max_batch_size} x --max-seq-len {args.max_seq_len}"
+        what = "the KV store of"
+    else:
+        return
+    need = tokens * layers * per_layer / 2**30
+    if need > memory[0]:
+        raise ValueError(
+            f"{what} {flags} tokens needs {need:,.1f} GiB, more than this machine's available "
+            f"memory ({memory[0]:.1f} GiB of {memory[1]:.1f} GiB): give fewer tokens"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset
     from herald.server.defaults import SERVE_DEFAULTS
@@ -210,7 +265,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--api-key is empty: give the key, or leave the option out (then $HERALD_API_KEY "
             "if set, else no key)"
         )
+    if args.api_key is None:
+        from herald.env import settings
+
+        key = settings().api_key
+        if key is not None and not key.strip():
+            raise ValueError(
+                "HERALD_API_KEY is set but blank: no client could send it; give the key, or "
+                "unset the variable for an open server"
+            )
     _check_room(args.model, args.max_seq_len)
+    _check_kv_memory(args, device, offload, dtype)
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,

@@ -111,7 +111,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--batch-size", type=int, default=16, help="requests decoding at once (default: 16)"
     )
     p.add_argument("--threshold", type=float, default=0.95, help="confidence threshold")
-    p.add_argument("--steps", type=int, default=None, help="fixed denoising steps per block")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="fixed denoising steps per block (default: none, the confidence threshold decides)",
+    )
     p.add_argument("--control-tokens", type=int, default=512, help="no-context control window")
     p.add_argument("--no-control", action="store_true", help="skip the no-context control")
     p.add_argument("--min-distance", type=int, default=2000, help="recall: tokens def -> use")
@@ -145,9 +150,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=[],
         metavar="JSON",
         help="examples/<task>_<context>.json files of earlier runs: their targets (file and line "
-        "text) are not asked again, e.g. to confirm a choice made on them on other targets",
+        "text) are not asked again, e.g. to confirm a choice made on them on other targets "
+        "(default: none)",
     )
-    p.add_argument("--selection-threads", type=int, default=None, help="CPU kernel threads")
+    p.add_argument(
+        "--selection-threads",
+        type=int,
+        default=None,
+        help="CPU kernel threads (default: every usable core, or $HERALD_SELECTION_THREADS)",
+    )
     p.add_argument(
         "--analysis-examples",
         type=int,

@@ -78,11 +78,11 @@ NEUTRAL_COMMON: dict[str, Neutral] = {
     "kv_transfer_params": Neutral(_NONE, "herald does not transfer KV between servers"),
     "vllm_xargs": Neutral(_NONE, "herald takes no extra sampling arguments"),
     "return_tokens_as_token_ids": Neutral((False, None), "token ids come in token_ids instead"),
+    "best_of": Neutral((1, None), "herald returns one choice per prompt (n = 1)"),
 }
 """Neutral-only on both routes."""
 
 NEUTRAL_COMPLETIONS: dict[str, Neutral] = {
-    "best_of": Neutral((1, None), "herald returns one choice per prompt (n = 1)"),
     "suffix": Neutral(("", None), "herald does not insert text before a suffix"),
     "prompt_embeds": Neutral(_NONE, "herald takes prompts as text or token ids only"),
 }

@@ -9,6 +9,7 @@ socket :func:`reserve_port` bound before the model loaded. The engine is built f
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import sys
@@ -119,10 +120,17 @@ def reserve_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if isinstance(e, socket.gaierror):
+            why = "the host name does not resolve; give an address or name of this machine"
+        elif e.errno == errno.EADDRINUSE:
+            why = "another server holds the port; give another --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = "not an address of this machine; give one of its addresses as --host"
+        else:
+            why = "give another --port, or --host"
         raise OSError(
-            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}): another server may "
-            "hold the port; give another --port, or --host"
-        ) from None  # fmt: skip
+            e.errno, f"cannot listen on {host}:{port} ({e.strerror or e}): {why}"
+        ) from None
     return sock
 
 
@@ -146,7 +154,7 @@ def banner(app: FastAPI, url: str) -> str:
         f"max waiting {'unbounded' if waiting is None else waiting}, prefill budget "
         f"{'unbounded' if budget is None else f'{budget} tokens per forward'}; {eng.describe()}"
         + ("; no warm-up" if warmed is None else f"; warm-up {warmed.describe()}")
-        + ("; API key required on /v1" if state.api_key else "")
+        + ("; API key required on /v1, /tokenize and /detokenize" if state.api_key else "")
     )
 
 

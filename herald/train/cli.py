@@ -47,13 +47,24 @@ def register(subparsers: Any) -> None:
     p.add_argument("--state-file", type=Path, default=None, help="default: OUT/../train_state.json")
     p.add_argument("--log-file", type=Path, default=None, help="default: OUT/../train_log.json")
     p.add_argument("--work-dir", type=Path, default=d.work_dir, help="token-stream cache")
-    p.add_argument("--resume", type=Path, default=None, help="checkpoint directory to continue")
-    p.add_argument("--resume-state", type=Path, default=None, help="its train_state.json")
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="checkpoint directory to continue (default: none, a fresh model)",
+    )
+    p.add_argument(
+        "--resume-state",
+        type=Path,
+        default=None,
+        help="its train_state.json (default: the one inside or beside --resume)",
+    )
     p.add_argument(
         "--optimizer-file",
         type=Path,
         default=None,
-        help="save fp32 weights + AdamW moments here (and restore them on --resume)",
+        help="save fp32 weights + AdamW moments here (and restore them on --resume; default: none, "
+        "moments start fresh on a resume)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -163,10 +174,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-compile", action="store_true", help="eager model on CUDA")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument(
-        "--site-dir", type=Path, action="append", default=None, help="third-party root (repeat)"
+        "--site-dir",
+        type=Path,
+        action="append",
+        default=None,
+        help="third-party root, repeatable (default: this interpreter's site-packages)",
     )
     p.add_argument(
-        "--stdlib-dir", type=Path, action="append", default=None, help="held-out stdlib root"
+        "--stdlib-dir",
+        type=Path,
+        action="append",
+        default=None,
+        help="held-out stdlib root, repeatable (default: this interpreter's standard library)",
     )
     p.add_argument("--workers", type=int, default=d.workers, help="scan processes (0 = all)")
     p.add_argument("--val-windows", type=int, default=d.val_windows)

@@ -246,3 +246,31 @@ def test_missing_bundled_checkpoint_is_a_clear_error(tmp_path, monkeypatch, caps
     assert main(["generate", "--prompt", "x", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "bundled checkpoint 'code-sdar' is not at" in err and "pip install -e ." in err
+
+
+def test_every_option_states_its_default():
+    """Every option of every subcommand has help that ends with its default (added by the help
+    formatter) or says in words what it is when unset; flags and required options excepted."""
+    import argparse
+
+    from herald.cli import build_parser
+    from herald.cliargs import HelpFormatter
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, [*path, name])
+            elif action.option_strings and not isinstance(
+                action, (argparse._HelpAction, argparse._VersionAction)
+            ):
+                yield " ".join(path), action
+
+    missing = []
+    for path, action in walk(build_parser(), []):
+        if action.required or action.nargs == 0 or action.help == argparse.SUPPRESS:
+            continue
+        text = HelpFormatter("herald")._get_help_string(action)
+        if not action.help or "default" not in text.lower():
+            missing.append(f"{path} {action.option_strings[-1]}")
+    assert not missing, missing

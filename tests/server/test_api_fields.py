@@ -208,7 +208,8 @@ def test_unimplemented_completion_fields_are_refused_by_name(
     "field,value",
     [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
      ("functions", [{"name": "f"}]), ("response_format", {"type": "json_schema"}),
-     ("top_logprobs", 2), ("echo", True), ("audio", {"voice": "x"})],
+     ("top_logprobs", 2), ("echo", True), ("audio", {"voice": "x"}), ("best_of", 2),
+     ("suffix", "x")],
 )  # fmt: skip
 def test_unimplemented_chat_fields_are_refused_by_name(
     client: httpx.Client, field: str, value: Any
@@ -227,7 +228,7 @@ def test_neutral_values_ignored_fields_and_unknown_fields(client: httpx.Client) 
     assert r.status_code == 200, r.text
     chat = {"messages": [{"role": "user", "content": "hi"}], **FAST, "tools": [],
             "tool_choice": "none", "user": "u", "metadata": {"a": "b"}, "store": False,
-            "parallel_tool_calls": True}  # fmt: skip
+            "parallel_tool_calls": True, "best_of": 1}  # fmt: skip
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
     r = client.post("/v1/completions", json={"prompt": "hi", "bogus": 1, "other": 2})
     err = r.json()["error"]

@@ -89,6 +89,53 @@ def test_cpu_pool_larger_than_memory_is_refused_before_the_model_loads(monkeypat
     assert "available memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--mode", "herald", "--cpu-kv-tokens", "30000000"], "--cpu-kv-tokens 30000000"),
+        (["--mode", "herald", "--max-batch-size", "1000000"], "--max-batch-size 1000000"),
+        (["--max-batch-size", "1000000"], "the KV store of --max-batch-size 1000000"),
+    ],
+)
+def test_kv_larger_than_memory_is_refused_before_the_model_loads(
+    flags, needle, monkeypatch, capsys
+):
+    """The CPU pool by tokens or by slots, and the dense engine's KV store on the CPU, against
+    the machine's available memory, from the model's config alone (the embedded model: 8
+    layers x 2 KV heads x 64 dims, 4 KiB of K and V per token in bf16)."""
+    from herald import cliargs
+
+    _no_model(monkeypatch)
+    monkeypatch.setattr(cliargs, "memory_gib", lambda: (3.0, 4.0))
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "more than this machine's available" in err[0]
+    assert "3.0 GiB of 4.0 GiB" in err[0]
+
+
+def test_a_blank_api_key_variable_is_refused(monkeypatch, capsys):
+    from herald.env import reload_settings
+
+    _no_model(monkeypatch)
+    monkeypatch.setenv("HERALD_API_KEY", "  ")
+    reload_settings()
+    try:
+        assert main(["serve", "--device", "cpu"]) == 2
+    finally:
+        monkeypatch.delenv("HERALD_API_KEY")
+        reload_settings()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HERALD_API_KEY is set but blank" in err[0]
+
+
+def test_a_host_that_does_not_resolve_is_named_as_such(monkeypatch, capsys):
+    _no_model(monkeypatch)
+    assert main(["serve", "--device", "cpu", "--host", "nosuchhost.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen on nosuchhost.invalid:0" in err[0]
+    assert "does not resolve" in err[0] and "another server" not in err[0]
+
+
 def test_serve_prints_a_banner_when_ready_and_serves():
     """The real command in a process of its own: the banner names the model, mode, address and
     limits once the server accepts requests (waited for by reading its stderr, not by time)."""
