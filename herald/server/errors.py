@@ -29,8 +29,27 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_tag(segment: Any) -> bool:
+    """A location segment naming a union member's type (``str``, ``list[ContentPart]``,
+    ``function-after[...]``), not a field or an index."""
+    return isinstance(segment, str) and (
+        segment in _TYPE_TAGS or "[" in segment or "-" in segment or segment[:1].isupper()
+    )
+
+
+def _pre_tag(error: dict[str, Any]) -> tuple[Any, ...]:
+    loc = tuple(error.get("loc", ()))
+    for i, segment in enumerate(loc):
+        if _is_tag(segment):
+            return loc[:i]
+    return loc
+
+
 def _location(error: dict[str, Any]) -> str | None:
-    loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in error.get("loc", ()) if x != "body" and not _is_tag(x)]
     ctx = error.get("ctx") or {}
     if error.get("type") == REFUSED and ctx.get("param"):
         loc.append(str(ctx["param"]))
@@ -55,6 +74,14 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     e = errors[0]
     if e.get("type") == "json_invalid":
         return "malformed JSON body", None
+    if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):
+        return "the request has no body: send a JSON object", None
+    if _pre_tag(e) != tuple(e.get("loc", ())):
+        # a value that fit none of a union's types: each member reports an error at the same
+        # place; the deepest one is the member that took the input's shape (a list of content
+        # parts, not a string), so it names the field actually missing or wrong
+        same = [x for x in errors if _pre_tag(x) == _pre_tag(e)]
+        e = max(same, key=lambda x: len(x.get("loc", ())))
     param = _location(e)
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param

@@ -481,3 +481,14 @@ def test_booleans_and_integers_are_not_coerced(client: httpx.Client) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
     ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": False})
     assert ok.status_code == 200, ok.text
+
+
+def test_validation_errors_name_the_real_place(client: httpx.Client) -> None:
+    """An empty JSON body says so; a content part that fits no union member names the field
+    of the member that took its shape (the part's ``text``), not the other member's tag."""
+    r = client.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "no body" in r.json()["error"]["message"]
+    body = {"messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages.0.content.0.text", err
