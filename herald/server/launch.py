@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from herald import env
 from herald.config import EngineConfig
 from herald.engines import build_engine
+from herald.kv.manager import RequestTooLarge
 from herald.models.loader import load_model
 from herald.server import front
 from herald.server.api import ServerState, create_app
@@ -92,7 +93,14 @@ def build_app(
     warmed = None
     if warm_up:
         log.info("warming up")
-        warmed = warm_up_engine(eng, tokenizer)
+        try:
+            warmed = warm_up_engine(eng, tokenizer)
+        except RequestTooLarge as e:
+            # the pool cannot hold even the warm-up's one short request: no request could run
+            raise ValueError(
+                f"the CPU KV pool is too small to serve any request (the start-up warm-up's "
+                f"first request did not fit: {e})"
+            ) from None
         log.info("warm-up done: %s", warmed.describe())
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)

@@ -113,6 +113,16 @@ def test_kv_larger_than_memory_is_refused_before_the_model_loads(
     assert "3.0 GiB of 4.0 GiB" in err[0]
 
 
+def test_a_pool_too_small_for_any_request_is_named_at_start(capsys):
+    argv = ["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-tokens", "10", "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        err[-1].startswith("error:") and "CPU KV pool is too small to serve any request" in err[-1]
+    )
+    assert "--cpu-kv-tokens" in err[-1]
+
+
 def test_a_blank_api_key_variable_is_refused(monkeypatch, capsys):
     from herald.env import reload_settings
 
