@@ -441,7 +441,13 @@ class RetrievalWorker:
         the selected positions to the device through this layer's pinned staging, then
         :func:`fetch_rows` reads the rows from the CPU pool into rows ``[0, k_r)`` of the
         group's slots of the idle pool (zeros in ``[k_r, max k)``), all on the copy stream,
-        then (last group) the staging's reuse event."""
+        then (last group) the staging's reuse event.
+
+        NOTE: with several groups, a group's rows from its own largest k up to the job's keep
+        an earlier block's values (one group zeroes only up to its own k). They are finite (the
+        pool starts zeroed and only ever receives K/V rows or zeros) and the sparse attention
+        masks every row at or past a request's k, so they weigh exactly 0. The staging event
+        covers every group's copies because they all run in order on the one copy stream."""
         m = max(sel)
         pl = layer_id - self.num_dense
         staging = self._staging[self.pool.layers.index(layer_id)]
