@@ -211,7 +211,8 @@ def _check_kv_memory(
         return
     if memory is None:
         return
-    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = cfg.kv_bytes_per_token(itemsize) // cfg.num_layers  # K and V of one layer
     slots_tokens = args.max_batch_size * args.max_seq_len
     if offload is not None:
         if offload.cpu_kv_gb is not None:
