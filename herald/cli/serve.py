@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from herald.config import OffloadConfig
+    from herald.models.config import ModelConfig
     from herald.server.defaults import FrontLimits
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
@@ -170,16 +171,21 @@ def front_limits(args: argparse.Namespace) -> FrontLimits:
     )
 
 
-def _check_room(model: str, max_seq_len: int) -> None:
-    """ValueError when ``--max-seq-len`` leaves no room for a one-token prompt and one block of
-    output, read from the model's config before its weights load (a model that cannot be found
-    is left to the loader's own error)."""
+def _model_config(model: str) -> ModelConfig | None:
+    """The model's config, read before its weights load for the checks below; None when it
+    cannot be read (a model that cannot be found is left to the loader's own error)."""
     from herald.models.loader import load_config
 
     try:
-        block = load_config(model).block_size
+        return load_config(model)
     except (OSError, ValueError):
-        return
+        return None
+
+
+def _check_room(cfg: ModelConfig, max_seq_len: int) -> None:
+    """ValueError when ``--max-seq-len`` leaves no room for a one-token prompt and one block of
+    output."""
+    block = cfg.block_size
     if max_seq_len <= block:
         raise ValueError(
             f"--max-seq-len {max_seq_len} leaves no room for a prompt and one block of {block} "
@@ -189,6 +195,7 @@ def _check_room(model: str, max_seq_len: int) -> None:
 
 def _check_kv_memory(
     args: argparse.Namespace,
+    cfg: ModelConfig,
     device: torch.device,
     offload: OffloadConfig | None,
     dtype: torch.dtype,
@@ -197,18 +204,12 @@ def _check_kv_memory(
     machine's available memory: the CPU pool of an offloading mode (``--cpu-kv-tokens``, or
     by default every slot at ``--max-seq-len``; ``--cpu-kv-gb`` is checked with the other pool
     flags) and, on the CPU device, the dense engine's KV store. A lower bound (the model's
-    weights and the engine's buffers come on top); a model whose config cannot be read is
-    left to the loader's own error."""
+    weights and the engine's buffers come on top)."""
     import torch
 
     from herald.cliargs import memory_gib
-    from herald.models.loader import load_config
 
     memory = memory_gib()
-    try:
-        cfg = load_config(args.model)
-    except (OSError, ValueError):
-        return
     if memory is None:
         return
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -275,8 +276,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "HERALD_API_KEY is set but blank: no client could send it; give the key, or "
                 "unset the variable for an open server"
             )
-    _check_room(args.model, args.max_seq_len)
-    _check_kv_memory(args, device, offload, dtype)
+    cfg = _model_config(args.model)
+    if cfg is not None:
+        _check_room(cfg, args.max_seq_len)
+        _check_kv_memory(args, cfg, device, offload, dtype)
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
