@@ -2,7 +2,8 @@
 per token count, with the expert GEMMs' weight bandwidth, and the routing after the router GEMM
 in PyTorch against the fused router kernel; optionally a sweep of the fused GEMMs' tile configs,
 each GEMM timed alone (``--sweep-block-m`` / ``--sweep-block-k`` pick the tiles that fix the
-numerics; block_n, warps and stages are swept for each). The fused path runs with its defaults,
+numerics; the block_n, warp and stage values of ``--sweep-block-n`` / ``--sweep-warps`` /
+``--sweep-stages`` are swept for each). The fused path runs with its defaults,
 the per-token-count launch configs of :data:`herald.layers.moe_triton.TILE_TABLE`.
 
 ``python -m herald.bench.moe [--tokens 32,1024,2560,4096] [--sweep] [--out DIR]``
@@ -115,14 +116,18 @@ H200_SMEM_BYTES = 232_448
 configs whose pipeline needs more."""
 
 
-def sweep_grid(block_ms: list[int], block_ks: list[int]) -> list[TileConfig]:
-    """Tile configs to try: every (block_m, block_k) asked for, with block_n 64/128/256, 4 or 8
-    warps and 3-5 pipeline stages."""
+def sweep_grid(
+    block_ms: list[int],
+    block_ks: list[int],
+    block_ns: tuple[int, ...] | list[int] = (64, 128, 256),
+    warps: tuple[int, ...] | list[int] = (4, 8),
+    stages: tuple[int, ...] | list[int] = (3, 4, 5),
+) -> list[TileConfig]:
+    """Tile configs to try: every (block_m, block_k) asked for, with each block_n, warp count and
+    pipeline depth given (by default block_n 64/128/256, 4 or 8 warps and 3-5 stages)."""
     return [
         TileConfig(block_n=n, num_warps=w, num_stages=s, block_m=m, block_k=k)
-        for m, k, n, w, s in itertools.product(
-            block_ms, block_ks, (64, 128, 256), (4, 8), (3, 4, 5)
-        )
+        for m, k, n, w, s in itertools.product(block_ms, block_ks, block_ns, warps, stages)
     ]
 
 
@@ -181,6 +186,7 @@ def summarize_sweep(rows: list[dict[str, object]]) -> list[str]:
     """Lines: per GEMM the three fastest configs, then per (block_m, block_k), which fix the
     numerics and so must be one choice for every token count, the best time of each GEMM."""
     lines = []
+    best: dict[str, dict[tuple[int, int], float]] = {}
     ok = [r for r in rows if "ms" in r]
     for gemm in ("gate_up", "down"):
         mine = sorted((r for r in ok if r["gemm"] == gemm), key=lambda r: float(r["ms"]))  # type: ignore[arg-type]
@@ -200,6 +206,12 @@ def summarize_sweep(rows: list[dict[str, object]]) -> list[str]:
             f"  {gemm} best per (block_m, block_k): "
             + ", ".join(f"{m}x{k} {ms:.3f}" for (m, k), ms in sorted(by_mk.items()))
         )
+        best[gemm] = by_mk
+    both = {mk: ms + best["down"][mk] for mk, ms in best["gate_up"].items() if mk in best["down"]}
+    lines.append(
+        "  both GEMMs, best per (block_m, block_k): "
+        + ", ".join(f"{m}x{k} {ms:.3f}" for (m, k), ms in sorted(both.items(), key=lambda x: x[1]))
+    )
     return lines
 
 
@@ -219,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also sweep the fused GEMMs' tiles")
     p.add_argument("--sweep-block-m", default="16,32,64", help="block_m values of the sweep")
     p.add_argument("--sweep-block-k", default="64,128", help="block_k values of the sweep")
+    p.add_argument("--sweep-block-n", default="64,128,256", help="block_n values of the sweep")
+    p.add_argument("--sweep-warps", default="4,8", help="warp counts of the sweep")
+    p.add_argument("--sweep-stages", default="3,4,5", help="pipeline depths of the sweep")
     p.add_argument("--out", type=Path, default=None, help="write moe.jsonl here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -230,11 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         span = f"T {lower + 1}..{limit}" if limit is not None else f"T > {lower}"
         print(f"fused tiles {span}: gate_up {_cfg_str(vars(gate_up))}, down {_cfg_str(vars(down))}")
         lower = limit if limit is not None else lower
-    records: list[dict[str, object]] = []
     with torch.no_grad():
         for t in (int(s) for s in a.tokens.split(",")):
             rec = measure(moe, t, a.iters, a.repeats)
-            records.append({"kind": "point", **rec})
+            records: list[dict[str, object]] = [{"kind": "point", **rec}]
             print(
                 f"T {t:5d} hit {rec['experts_hit']:3d}  experts: grouped_mm "
                 f"{rec['grouped_mm_experts_ms']:.3f} ms ({rec['grouped_mm_experts_tbps']:.2f} TB/s)"
@@ -245,13 +259,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{rec['router_tokens_differ']} tokens differ)"
             )
             if a.sweep:
-                grid = sweep_grid(_ints(a.sweep_block_m), _ints(a.sweep_block_k))
+                grid = sweep_grid(
+                    _ints(a.sweep_block_m),
+                    _ints(a.sweep_block_k),
+                    _ints(a.sweep_block_n),
+                    _ints(a.sweep_warps),
+                    _ints(a.sweep_stages),
+                )
                 rows = sweep(moe, t, a.iters, a.repeats, grid)
                 records += [{"kind": "sweep", **r} for r in rows]
                 for line in summarize_sweep(rows):
                     print(line)
-    if a.out is not None:
-        append_jsonl(a.out / "moe.jsonl", records)
+            if a.out is not None:  # per token count: a run cut short keeps what it measured
+                append_jsonl(a.out / "moe.jsonl", records)
     return 0
 
 
