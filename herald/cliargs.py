@@ -79,6 +79,17 @@ def use_help_formatter(parser: argparse.ArgumentParser) -> None:
                 use_help_formatter(sub)
 
 
+def token_count(text: str) -> int:
+    """An argparse ``type`` for a number of tokens: ``4096``, ``4K`` or ``4k`` (x 1024). The
+    range is the caller's to check."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError:
+        msg = f"expected a token count like 4096 or 32K, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
 def list_of(kind: Callable[[str], Any], choices: Iterable[Any] | None = None) -> Any:
     """An argparse ``type``: one argument, split at commas, each part converted by ``kind`` (and
     checked against ``choices``)."""

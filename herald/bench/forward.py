@@ -50,7 +50,7 @@ from herald.bench.common import (
 )
 from herald.bench.forward_point import Point, check_memory
 from herald.bench.throughput_records import log
-from herald.cliargs import add_list
+from herald.cliargs import add_list, token_count
 
 JSONL_NAME = "forward.jsonl"
 DEFAULT_MODELS = ["llada2-mini", "sdar-8b-chat"]
@@ -58,25 +58,17 @@ DEFAULT_PREFILL = [4096, 16384, 32768]
 _GIB = 1 << 30
 
 
-def tokens(text: str) -> int:
-    """A token count: ``4096``, ``4K`` or ``4k`` (x 1024)."""
-    t = text.strip().lower()
-    try:
-        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
-    except ValueError:
-        msg = f"expected a token count like 4096 or 32K, got {text!r}"
-        raise argparse.ArgumentTypeError(msg) from None
-
-
 def _prefill_list(text: str) -> list[int]:
     t = text.strip().lower()
-    return [] if t in ("none", "off", "0", "") else [tokens(x) for x in t.split(",") if x.strip()]
+    if t in ("none", "off", "0", ""):
+        return []
+    return [token_count(x) for x in t.split(",") if x.strip()]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_list(p, "--models", metavar="PRESET", default=DEFAULT_MODELS, help="model presets")
     add_list(
-        p, "--contexts", kind=tokens, metavar="TOKENS",
+        p, "--contexts", kind=token_count, metavar="TOKENS",
         help="contexts (prompt tokens), e.g. 2K 32K (with --batches; default: the targets')",
     )  # fmt: skip
     add_list(
