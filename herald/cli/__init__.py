@@ -62,7 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.register(sub)
     register_train(sub)
     use_help_formatter(parser)
+    _mark_leaves(parser)
     return parser
+
+
+def _mark_leaves(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub)command's parser itself as the ``_parser`` default, so an unknown option
+    is reported with that command's usage, not the top level's."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser
+                _mark_leaves(child)
 
 
 def _preset_names() -> list[str]:
@@ -84,7 +95,10 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would report them under the top-level usage
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

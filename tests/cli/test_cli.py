@@ -274,3 +274,20 @@ def test_every_option_states_its_default():
         if not action.help or "default" not in text.lower():
             missing.append(f"{path} {action.option_strings[-1]}")
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["serve", "--bogus"], "herald serve: error: unrecognized arguments: --bogus"),
+        (["generate", "--prompt", "x", "--nope", "1"], "herald generate: error: unrecognized"),
+        (["bench", "throughput", "--bogus"], "herald bench throughput: error: unrecognized"),
+    ],
+)
+def test_unknown_option_is_reported_with_the_commands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert usage in err
+    assert "usage: herald [-h] [--version] COMMAND" not in err
