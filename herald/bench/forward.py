@@ -58,11 +58,24 @@ DEFAULT_PREFILL = [4096, 16384, 32768]
 _GIB = 1 << 30
 
 
-def _prefill_list(text: str) -> list[int]:
-    t = text.strip().lower()
-    if t in ("none", "off", "0", ""):
-        return []
-    return [token_count(x) for x in t.split(",") if x.strip()]
+_SKIP = ("none", "off")
+"""``--prefill-prompts`` values that skip the prefill measurement."""
+
+
+def _prefill_length(text: str) -> int | None:
+    """One ``--prefill-prompts`` value: a token count, or None for none / off."""
+    return None if text.strip().lower() in _SKIP else token_count(text)
+
+
+def _prefill_prompts_given(values: list[int | None]) -> list[int]:
+    """The parsed ``--prefill-prompts``: [] for none / off alone; ValueError for none / off
+    beside lengths (which one was meant?)."""
+    lengths = [v for v in values if v is not None]
+    if lengths and len(lengths) < len(values):
+        raise ValueError(
+            "--prefill-prompts takes prompt lengths or none (or off) to skip, not both"
+        )
+    return lengths
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,10 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step-blocks", type=int, default=2, help="blocks of engine steps timed (0: none)"
     )
-    p.add_argument(
-        "--prefill-prompts", type=_prefill_list, default=None, metavar="TOKENS,...",
-        help="prefill prompt lengths, e.g. 4K,16K,32K; none to skip (default: 4K,16K,32K on "
-        "CUDA, none on the CPU)",
+    add_list(
+        p, "--prefill-prompts", kind=_prefill_length, default=None, metavar="TOKENS",
+        help="prefill prompt lengths, e.g. 4K 16K 32K; none (or off) to skip (default: 4K 16K "
+        "32K on CUDA, none on the CPU)",
     )  # fmt: skip
     p.add_argument("--prefill-requests", type=int, default=4, help="prompts queued at once")
     p.add_argument(
@@ -146,6 +159,8 @@ def check_args(args: argparse.Namespace) -> None:
             "--device cuda but no CUDA GPU; on a CPU try --device cpu --models tiny-llada2 "
             "--contexts 256 --batches 2 --reps 1"
         )
+    if args.prefill_prompts is not None:
+        args.prefill_prompts = _prefill_prompts_given(args.prefill_prompts)
     if args.prefill_only and (args.contexts or args.batches or args.prefill_prompts == []):
         raise ValueError("--prefill-only measures --prefill-prompts, not --contexts / --batches")
     if (args.contexts is None) != (args.batches is None):
@@ -157,7 +172,8 @@ def check_args(args: argparse.Namespace) -> None:
                             ("--prefill-prompts", args.prefill_prompts, b)):  # fmt: skip
         bad = [v for v in vals or () if v < low]
         if bad:
-            raise ValueError(f"{name} must be >= {low}, got {bad[0]}")
+            skip = "; none (or off) skips the prefill" if name == "--prefill-prompts" else ""
+            raise ValueError(f"{name} must be >= {low}, got {bad[0]}{skip}")
     if not 0 < args.budget <= 1:
         raise ValueError(f"--budget is a fraction of the context in (0, 1], got {args.budget}")
     for name, value, low in (("--reps", args.reps, 1), ("--warmup", args.warmup, 0),

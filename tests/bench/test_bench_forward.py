@@ -175,6 +175,8 @@ def no_model(monkeypatch):
         (["--models", "tiny-sdar", "--contexts", "16", "--batches", "1"], "--contexts must be"),
         (["--models", "tiny-sdar", "--contexts", "256", "--batches", "0"], "--batches must be"),
         (["--models", "tiny-sdar", "--budget", "1.5"], "--budget"),
+        (["--models", "tiny-sdar", "--prefill-prompts", "0"], "--prefill-prompts must be >= 32"),
+        (["--models", "tiny-sdar", "--prefill-prompts", "none", "64"], "lengths or none"),
         (["--models", "tiny-sdar", "--reps", "0"], "--reps must be >= 1"),
         (["--models", "tiny-sdar", "--hbm-tbps", "0"], "--hbm-tbps must be positive"),
         (["--models", "tiny-sdar", "--device", "tpu"], "--device must be"),
@@ -187,6 +189,22 @@ def test_bad_inputs_fail_before_any_work(flags, message, tmp_path, capsys, no_mo
     assert forward.main(["--device", "cpu", *flags, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "forward.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "lengths"),
+    [
+        (["64", "128"], [64, 128]),
+        (["64,128"], [64, 128]),
+        (["4K,", "16K"], [4096, 16384]),
+        (["none"], []),
+        (["off"], []),
+    ],
+)
+def test_prefill_prompts_take_spaces_or_commas_and_none_skips(given, lengths, no_model):
+    args = forward.build_parser().parse_args(["--device", "cpu", "--prefill-prompts", *given])
+    forward.check_args(args)
+    assert forward.prefill_prompts(args) == lengths
 
 
 def test_a_point_that_does_not_fit_is_refused_before_allocating(
