@@ -6,7 +6,7 @@ random bf16 weights and, per context and batch, the engine of each mode with syn
 
 - the forward time: median of ``--reps`` forwards after ``--warmup``, through the engine's own
   forward path (CUDA graphs where it uses them); ``dense`` (the dense engine's B-token forward),
-  ``herald`` (HERALD's main-stream denoising forward over its sparse pool at ``--budget``),
+  ``herald`` (HERALD's main-stream denoising forward over its sparse pool at ``--kv-budget``),
   ``herald-draft`` (HERALD's fused draft step: block and draft, 2B tokens);
 - the engine step times around it (whole blocks of ``--steps`` steps: logits, sampling, host
   syncs, and for HERALD the retrieval stream running beside);
@@ -50,7 +50,7 @@ from herald.bench.common import (
 )
 from herald.bench.forward_point import Point, check_memory
 from herald.bench.throughput_records import log
-from herald.cliargs import add_list, token_count
+from herald.cliargs import add_list, deprecated_alias, token_count
 
 JSONL_NAME = "forward.jsonl"
 DEFAULT_MODELS = ["llada2-mini", "sdar-8b-chat"]
@@ -92,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="batch sizes (with --contexts; default: the targets')",
     )
     add_list(p, "--modes", choices=ff.MODES, default=list(ff.MODES), help="forwards to time")
-    p.add_argument("--budget", type=float, default=0.05, help="HERALD's KV budget (fraction)")
+    p.add_argument(
+        "--kv-budget", dest="budget", metavar="KV_BUDGET", type=float, default=0.05,
+        help="HERALD's KV budget: fraction of the context kept per KV head, in (0, 1]",
+    )  # fmt: skip
     p.add_argument("--reps", type=int, default=20, help="timed forwards per point (median)")
     p.add_argument(
         "--warmup", type=int, default=3,
@@ -139,6 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--report", type=Path, default=None, help="only rebuild DIR/forward.md (default: measure)"
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    deprecated_alias(p, "--budget", "--kv-budget")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -175,7 +179,7 @@ def check_args(args: argparse.Namespace) -> None:
             skip = "; none (or off) skips the prefill" if name == "--prefill-prompts" else ""
             raise ValueError(f"{name} must be >= {low}, got {bad[0]}{skip}")
     if not 0 < args.budget <= 1:
-        raise ValueError(f"--budget is a fraction of the context in (0, 1], got {args.budget}")
+        raise ValueError(f"--kv-budget is a fraction of the context in (0, 1], got {args.budget}")
     for name, value, low in (("--reps", args.reps, 1), ("--warmup", args.warmup, 0),
                              ("--profile-reps", args.profile_reps, 1), ("--steps", args.steps, 1),
                              ("--step-blocks", args.step_blocks, 0),

@@ -174,7 +174,7 @@ def no_model(monkeypatch):
         (["--models", "tiny-sdar", "--contexts", "256"], "--contexts and --batches together"),
         (["--models", "tiny-sdar", "--contexts", "16", "--batches", "1"], "--contexts must be"),
         (["--models", "tiny-sdar", "--contexts", "256", "--batches", "0"], "--batches must be"),
-        (["--models", "tiny-sdar", "--budget", "1.5"], "--budget"),
+        (["--models", "tiny-sdar", "--kv-budget", "1.5"], "--kv-budget is a fraction"),
         (["--models", "tiny-sdar", "--prefill-prompts", "0"], "--prefill-prompts must be >= 32"),
         (["--models", "tiny-sdar", "--prefill-prompts", "none", "64"], "lengths or none"),
         (["--models", "tiny-sdar", "--reps", "0"], "--reps must be >= 1"),
@@ -205,6 +205,14 @@ def test_prefill_prompts_take_spaces_or_commas_and_none_skips(given, lengths, no
     args = forward.build_parser().parse_args(["--device", "cpu", "--prefill-prompts", *given])
     forward.check_args(args)
     assert forward.prefill_prompts(args) == lengths
+
+
+def test_budget_is_a_deprecated_alias_of_kv_budget(capsys):
+    args = forward.build_parser().parse_args(["--budget", "0.1"])
+    assert args.budget == 0.1 and forward.settings(args).budget == 0.1
+    assert "--budget is deprecated" in capsys.readouterr().err
+    assert forward.build_parser().parse_args(["--kv-budget", "0.2"]).budget == 0.2
+    assert "--budget" not in forward.build_parser().format_help().replace("--kv-budget", "")
 
 
 def test_a_point_that_does_not_fit_is_refused_before_allocating(
