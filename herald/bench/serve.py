@@ -103,14 +103,19 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU pool size in tokens (default: --cpu-kv-gb, else what the batch and length need)",
     )
+    # The second name of each is vLLM's for the same setting, as in herald serve.
     p.add_argument(
         "--max-batch-size",
+        "--max-num-seqs",
+        dest="max_batch_size",
         type=int,
         default=None,
         help="running requests at most (default: the largest --concurrency)",
     )
     p.add_argument(
         "--max-seq-len",
+        "--max-model-len",
+        dest="max_seq_len",
         type=int,
         default=None,
         help="tokens per request (default: the longest prompt + --max-tokens)",
@@ -165,7 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--duration-limit-s",
         type=float,
         default=120.0,
-        help="a level's hard limit; requests left then are cancelled",
+        help="each load level's wall-clock limit in seconds: requests still running or not yet "
+        "sent then are cancelled and counted (per level, not the whole run's)",
     )
     p.add_argument(
         "--warmup-requests",
@@ -198,8 +204,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         bad = [v for v in values if v < 1]
         if bad:
             raise ValueError(f"{flag} must be >= 1, got {bad[0]}")
-    for flag, value in (("--requests", args.requests), ("--max-batch-size", args.max_batch_size),
-                        ("--max-seq-len", args.max_seq_len),
+    for flag, value in (("--requests", args.requests),
+                        ("--max-batch-size (--max-num-seqs)", args.max_batch_size),
+                        ("--max-seq-len (--max-model-len)", args.max_seq_len),
                         ("--max-prefill-tokens", args.max_prefill_tokens)):  # fmt: skip
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")

@@ -6,6 +6,7 @@ no assertion on how fast anything ran."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import sysconfig
 import threading
@@ -367,3 +368,33 @@ def test_the_child_server_command_is_herald_serve_with_the_engine_settings(tmp_p
     assert (got.max_waiting, got.kv_pad, got.seed) == (e.max_waiting, e.kv_pad, 0)
     # idle connections outlive the openai client's 5 s pool expiry (no close-vs-reuse race)
     assert got.keep_alive_timeout_s == serve_run.KEEP_ALIVE_S > 5.0
+
+
+def test_vllm_names_of_the_engine_flags_as_herald_serve_takes_them(tmp_path: Path) -> None:
+    argv = ["--model", "tiny-sdar", "--prompt-tokens", "64", "--concurrency", "1",
+            "--max-num-seqs", "3", "--max-model-len", "512", *SMALL,
+            "--out", str(tmp_path)]  # fmt: skip
+    plan = serve.check_args(serve.build_parser().parse_args(argv))
+    assert plan.engine is not None
+    assert (plan.engine.max_batch_size, plan.engine.max_seq_len) == (3, 512)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--max-num-seqs", "0"], "--max-batch-size (--max-num-seqs) must be >= 1, got 0"),
+        (["--max-model-len", "0"], "--max-seq-len (--max-model-len) must be >= 1, got 0"),
+    ],
+)
+def test_out_of_range_values_name_their_flag(argv: list[str], says: str, tmp_path: Path) -> None:
+    args = serve.build_parser().parse_args([*argv, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match=re.escape(says)):
+        serve.check_args(args)
+
+
+def test_the_duration_limit_is_per_level() -> None:
+    """--duration-limit-s cuts one level off (cancelling its requests), unlike the other
+    commands' --time-limit-s (no new work past a whole run's limit): its help says so."""
+    text = " ".join(serve.build_parser().format_help().split())
+    assert "each load level's wall-clock limit in seconds" in text
+    assert "(per level, not the whole run's) (default: 120.0)" in text
