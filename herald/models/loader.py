@@ -251,6 +251,20 @@ def bundled_checkpoint(name: str | Path) -> Path | None:
     return path
 
 
+def checkpoint_path(path_or_preset: str | Path) -> Path:
+    """Where a checkpoint named by ``--model`` is: a bundled checkpoint's directory, else the path
+    itself; a directory without ``config.json`` whose ``ckpt/`` holds one (the layout `herald
+    train` writes and ``checkpoints/`` ships) means that ``ckpt/``."""
+    path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
+    if (
+        path.is_dir()
+        and not (path / "config.json").is_file()
+        and (path / "ckpt" / "config.json").is_file()
+    ):
+        return path / "ckpt"
+    return path
+
+
 def is_preset(name: str | Path) -> bool:
     """True when ``name`` is a preset name (and not an existing directory)."""
     return not Path(name).is_dir() and str(name) in list_presets()
@@ -267,7 +281,8 @@ def load_model(
     """Load a checkpoint directory, or build a preset with random weights.
 
     Args:
-        path_or_preset: an HF checkpoint directory, a bundled checkpoint's name
+        path_or_preset: an HF checkpoint directory (or a folder holding one as ``ckpt/``, the
+            layout `herald train` writes), a bundled checkpoint's name
             (:data:`BUNDLED_CHECKPOINTS`), or a preset name (:func:`list_presets`).
         device: default CUDA when available, else CPU.
         dtype: default bfloat16 on CUDA, float32 on CPU.
@@ -287,7 +302,7 @@ def load_model(
     dev = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(dev)
     config = load_config(path_or_preset, **config_overrides)
-    path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
+    path = checkpoint_path(path_or_preset)
     if path.is_dir():
         tokenizer = load_tokenizer(path, config)
         storage = checkpoint_storage(path)
@@ -308,7 +323,7 @@ def load_config(path_or_preset: str | Path, **config_overrides: Any) -> ModelCon
         FileNotFoundError: not a directory nor a preset; no config.json.
         ConfigError: unsupported architecture or bad config.
     """
-    path = bundled_checkpoint(path_or_preset) or Path(path_or_preset)
+    path = checkpoint_path(path_or_preset)
     if path.is_dir():
         return ModelConfig.from_file(path, **config_overrides)
     if is_preset(str(path_or_preset)):

@@ -19,6 +19,7 @@ from herald.models.loader import (
     config_fields_equal,
     hf_config_dict,
     is_preset,
+    load_config,
     load_model,
 )
 from herald.models.registry import build_model, get_preset, list_presets
@@ -126,6 +127,18 @@ def test_missing_config_json(tiny_checkpoint: Callable[..., Path], tmp_path: Pat
     (ckpt / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json at"):
         load_model(ckpt, "cpu")
+
+
+def test_a_run_folder_means_its_ckpt(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    # `herald train` writes <out>/ckpt/ and checkpoints/ ships the same layout: --model <out> works
+    ckpt = _copy(tiny_checkpoint("tiny-sdar"), tmp_path / "run" / "ckpt")
+    model, cfg, _ = load_model(tmp_path / "run", "cpu")
+    direct, _, _ = load_model(ckpt, "cpu")
+    assert torch.equal(_logits(model), _logits(direct))
+    assert load_config(tmp_path / "run") == cfg
+    (ckpt / "config.json").unlink()  # a folder with neither: the plain error, naming the folder
+    with pytest.raises(FileNotFoundError, match=f"no config.json at {tmp_path / 'run'}"):
+        load_config(tmp_path / "run")
 
 
 def test_missing_weights_and_missing_shard(
