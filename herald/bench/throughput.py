@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_list(
         g, "--batches", kind=int, metavar="BATCH",
-        help="batch sizes (default: each mode's largest that fits, found by the sweep)",
+        help="batch sizes, measured in order until one does not fit (default: the report's "
+        f"list for the mode, for {plan.default_batches_help()} only; other models and contexts "
+        "need --batches)",
     )  # fmt: skip
     g.add_argument(
         "--gpu-memory-gb",

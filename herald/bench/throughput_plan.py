@@ -258,10 +258,21 @@ def record_sweep_key(rec: dict[str, Any]) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+def default_batches_help() -> str:
+    """Which models and contexts have a default batch list (:data:`BATCHES`), for the help and
+    the refusal: "llada2-mini or sdar-8b-chat at 16384 or 32768 tokens"."""
+    models = " or ".join(dict.fromkeys(m for m, _ in BATCHES))
+    contexts = " or ".join(str(c) for c in sorted({c for _, c in BATCHES}))
+    return f"{models} at {contexts} tokens"
+
+
 def batches_for(model: str, context: int, variant: str) -> tuple[int, ...]:
     table = BATCHES.get((model, context))
     if table is None:
-        raise ValueError(f"no default batch list for {model} at {context}; give --batches")
+        raise ValueError(
+            f"no default batch list for {model} at {context} (only {default_batches_help()} "
+            "have one); give --batches"
+        )
     return table[_LIKE.get(variant, variant)]
 
 

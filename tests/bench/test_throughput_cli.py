@@ -146,6 +146,27 @@ def test_good_flags_pass_the_checks(tmp_path, capsys, no_work, flags):
     assert "2 sweeps selected, 2 points pending" in capsys.readouterr().out
 
 
+def test_without_batches_only_the_reports_models_and_contexts_have_a_list(
+    tmp_path, capsys, no_work
+):
+    """--batches' help says which sweeps have a default list; another sweep is refused, naming
+    the ones that have one."""
+    full = ["--model", "llada2-mini", "--context", "32768", "--mode", "dense", "--dry-run"]
+    assert throughput.main([*full, "--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert "dense no cap T=20: batches [8, 16, 24, 32, 40, 48, 64, 80]" in capsys.readouterr().out
+    tiny = ["--model", "tiny-sdar", "--context", "256", "--device", "cpu"]
+    assert throughput.main([*tiny, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no default batch list for tiny-sdar at 256 (only llada2-mini or sdar-8b-chat at " in err
+    assert "16384 or 32768 tokens have one); give --batches" in err
+    text = " ".join(throughput.build_parser().format_help().split())
+    assert (
+        "batch sizes, measured in order until one does not fit (default: the report's list for "
+        "the mode, for llada2-mini or sdar-8b-chat at 16384 or 32768 tokens only; other models "
+        "and contexts need --batches)" in text
+    )
+
+
 # -- the settings a resumed point must share ------------------------------------------------------
 
 
