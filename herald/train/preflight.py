@@ -1,11 +1,11 @@
 """Checks of a ``herald train`` run that happen before any work (corpus scan, tokenizer training).
 
 :func:`preflight` runs them all: every value on its own (:func:`herald.train.config.check_values`),
-the device, the checkpoint being resumed (its config, tokenizer and state file; model-shape
-values that differ from it), the sequence length against the model's block size and positions, the
-checkpoint size budget, and the paths written at the end: ``--out`` must not hold anything the
-save would destroy (:func:`check_out`), nor may the state file of another run be replaced
-(:func:`check_state_file`). Each failure is one exception whose message names the flag.
+the device, the checkpoint being resumed (its config, tokenizer, weights files and state file;
+model-shape values that differ from it), the sequence length against the model's block size and
+positions, the checkpoint size budget, and the paths written at the end: ``--out`` must not hold
+anything the save would destroy (:func:`check_out`), nor may the state file of another run be
+replaced (:func:`check_state_file`). Each failure is one exception whose message names the flag.
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
+import tokenizers
+
 from herald.config import resolve_device
 from herald.models.config import ConfigError, ModelConfig
+from herald.models.loader import CheckpointError, check_tensors, checkpoint_tensors
 from herald.models.quant import checkpoint_storage
+from herald.models.registry import weight_specs
 from herald.train.checkpoint import find_resume_state, read_json
 from herald.train.config import (
     SHAPE_FLAGS,
@@ -27,6 +31,7 @@ from herald.train.config import (
     flag,
     model_config,
 )
+from herald.train.tokenizer_train import check_special_ids
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -38,12 +43,13 @@ def _same(a: Path, b: Path) -> bool:
 
 def resumed_config(cfg: TrainConfig) -> ModelConfig | None:
     """The config of the ``--resume`` checkpoint (None for a fresh run), after checking that the
-    checkpoint has its tokenizer and that the state file (if any) is readable.
+    checkpoint has a tokenizer written by ``herald train`` and readable weights that fit its
+    config (:func:`check_resume_files`), and that the state file (if any) is readable.
 
     Raises:
-        FileNotFoundError: the directory, its config.json / tokenizer.json or ``--resume-state``
-            missing.
-        ValueError: a bad config.json or state file.
+        FileNotFoundError: the directory, its config.json / tokenizer.json / weights or
+            ``--resume-state`` missing.
+        ValueError: a bad config.json, tokenizer, weights file or state file.
     """
     if cfg.resume is None:
         if cfg.resume_state is not None:
@@ -61,6 +67,7 @@ def resumed_config(cfg: TrainConfig) -> ModelConfig | None:
         raise FileNotFoundError(f"--resume: {e}") from None
     except ConfigError as e:
         raise ConfigError(f"--resume: {e}") from None
+    check_resume_files(resume, config)
     try:
         state_file = find_resume_state(resume, cfg.resume_state)
     except FileNotFoundError as e:
@@ -71,6 +78,38 @@ def resumed_config(cfg: TrainConfig) -> ModelConfig | None:
         except ValueError as e:  # JSON syntax, or not a JSON object
             raise ValueError(f"the resume state {state_file} is unreadable: {e}") from None
     return config
+
+
+def check_resume_files(resume: Path, config: ModelConfig) -> None:
+    """The ``--resume`` checkpoint's tokenizer is one ``herald train`` writes (its special tokens
+    at the ids the trainer uses) and its weights files are readable safetensors holding the
+    tensors of ``config`` (headers only: no tensor data is read).
+
+    Raises:
+        FileNotFoundError: no weights file, or a shard of the index missing.
+        ValueError: an unreadable or foreign tokenizer, a truncated or corrupted weights file,
+            tensors missing or of the wrong shape; each names the file.
+    """
+    hint = (
+        "--resume continues a checkpoint written by herald train (not, e.g., one of herald "
+        "init-random or another model); leave out --resume to train a fresh model"
+    )
+    tok_file = resume / "tokenizer.json"
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception on a parse error
+        raise ValueError(f"--resume: {tok_file} is not a readable tokenizer ({e})") from None
+    try:
+        check_special_ids(backend)
+    except ValueError as e:
+        raise ValueError(f"--resume: {tok_file}: {e}; {hint}") from None
+    try:
+        found = checkpoint_tensors(resume)
+        check_tensors(weight_specs(config), found, resume, checkpoint_storage(resume))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--resume: {e}") from None
+    except CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
 
 
 def check_resume_shape(

@@ -385,6 +385,28 @@ def test_resume_refuses_an_unsupported_quantization_up_front(
     assert scans == []  # refused before the corpus scan
 
 
+def test_resume_refuses_a_truncated_weights_file_up_front(trained, tmp_path, scans, capsys) -> None:
+    run = trained.copy_run(tmp_path / "run")
+    weights = run / "ckpt" / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    assert main(trained.argv(tmp_path / "out", "--resume", str(run / "ckpt"))) == 2
+    err = one_error_line(capsys)
+    assert f"--resume: {weights} is not a readable safetensors file" in err
+    assert scans == []  # refused before the corpus scan
+
+
+def test_resume_refuses_a_checkpoint_not_written_by_train(trained, tmp_path, scans, capsys) -> None:
+    from herald.models.loader import write_random_checkpoint
+
+    ckpt = write_random_checkpoint("tiny-sdar", tmp_path / "random")
+    assert main(trained.argv(tmp_path / "out", "--resume", str(ckpt), tiny=False)) == 2
+    err = one_error_line(capsys)
+    assert f"{ckpt / 'tokenizer.json'}: tokenizer maps '<|endoftext|>' to 256" in err
+    assert "--resume continues a checkpoint written by herald train" in err
+    assert scans == []
+
+
 def test_resumed_budget_hint_names_the_storage() -> None:
     from herald.train.config import check_checkpoint_size, model_config
 
