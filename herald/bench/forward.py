@@ -1,8 +1,8 @@
 """The GPU forward against its floor: time, kernels, bytes and FLOPs per model, context, batch.
 
 ``herald bench forward`` (or ``python -m herald.bench.forward``) builds each model preset with
-random bf16 weights and, per context and batch, the engine of each mode with synthetic KV
-(:mod:`herald.bench.forward_point`), and measures:
+random bf16 weights and, per context and batch, the engine of each mode with synthetic KV,
+and measures:
 
 - the forward time: median of ``--reps`` forwards after ``--warmup``, through the engine's own
   forward path (CUDA graphs where it uses them); ``dense`` (the dense engine's B-token forward),
@@ -10,12 +10,11 @@ random bf16 weights and, per context and batch, the engine of each mode with syn
   ``herald-draft`` (HERALD's fused draft step: block and draft, 2B tokens);
 - the engine step times around it (whole blocks of ``--steps`` steps: logits, sampling, host
   syncs, and for HERALD the retrieval stream running beside);
-- with ``--profile``, its kernels by category and the top kernels (:mod:`herald.bench.
-  forward_profile`), and the expert GEMMs' TB/s of expert weight bytes;
-- its floor from bytes and FLOPs at ``--hbm-tbps`` and ``--peak-tflops``
-  (:mod:`herald.bench.forward_floor`), and measured / floor;
+- with ``--profile``, its kernels by category and the top kernels, and the expert GEMMs' TB/s
+  of expert weight bytes;
+- its floor from bytes and FLOPs at ``--hbm-tbps`` and ``--peak-tflops``, and measured / floor;
 - prefill tokens/s through the engines' real prefill at ``--prefill-prompts`` tokens
-  (:func:`herald.bench.prefill.measure`: ``--prefill-requests`` prompts queued at once).
+  (``--prefill-requests`` prompts queued at once).
 
 Acceptance targets are printed beside the points that have one. Without ``--contexts`` and
 ``--batches`` the run measures the targets' points of the selected models and modes; with both,

@@ -5,29 +5,26 @@ serve`` in a child process (127.0.0.1, a free port; the engine flags as ``herald
 output in ``OUT/server.log``; ``--server thread`` runs it in a thread of this process instead),
 or with ``--url`` uses a server already running, and loads it through the official ``openai``
 client: streaming completions of real text from the local Python standard library, cut to exactly
-``--prompt-tokens`` of the model's tokens (:mod:`herald.bench.serve_prompts`), one load level per
-``--concurrency`` value and prompt length, ``--requests`` per level, each level cut off after
-``--duration-limit-s`` (the requests left are cancelled and counted). Each level reports
-generated and prompt tokens/s over its wall time, time to first chunk, time between chunks and
-end-to-end latency (p50 / p90 / p99) and its completed / failed / cancelled counts
-(:mod:`herald.bench.serve_client`); from the server's ``/metrics`` read before and after it, the
-engine's prefill and decode seconds and prompt and generated tokens over the level, and the
+``--prompt-tokens`` of the model's tokens, one load level per ``--concurrency`` value and prompt
+length, ``--requests`` per level, each level cut off after ``--duration-limit-s`` (the requests
+left are cancelled and counted). Each level reports generated and prompt tokens/s over its wall
+time, time to first chunk, time between chunks and end-to-end latency (p50 / p90 / p99) and its
+completed / failed / cancelled counts; from the server's ``/metrics`` read before and after it,
+the engine's prefill and decode seconds and prompt and generated tokens over the level, and the
 served tokens/s without the prefill time. One JSON line per level is appended to
 ``OUT/serve_bench.jsonl`` after a line naming the machine, code and command, then a summary line
 once the run has ended, and ``OUT/README.md`` is rebuilt from every record there.
 ``--throughput-point`` adds, per level, ``herald bench throughput``'s decode figure for the same
-configuration (:mod:`herald.bench.serve_point`) and the ratio of the served rate to it.
+configuration and the ratio of the served rate to it.
 
 On a CPU, with the embedded model, then HERALD on the tiny preset with the throughput figure
-beside each level::
+beside each level:
 
     herald bench serve --device cpu --prompt-tokens 256 --concurrency 1 4 --requests 8 \\
         --max-tokens 64 --steps 4 --out /tmp/serve-bench
     herald bench serve --device cpu --model tiny-sdar --mode herald --prompt-tokens 256 \\
         --concurrency 1 4 --requests 8 --max-tokens 64 --steps 4 --throughput-point \\
         --out /tmp/serve-bench
-
-On the GPU machine: ``scripts/device/serve_bench.sh`` (LLaDA2.0-mini, dense then HERALD).
 """
 
 from __future__ import annotations
@@ -164,7 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode to --max-tokens past EOS",
+        help="decode to --max-tokens past EOS (default: on; --no-ignore-eos stops at EOS)",
     )
     p.add_argument(
         "--duration-limit-s",

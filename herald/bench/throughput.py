@@ -2,13 +2,13 @@
 
 ``herald bench throughput`` (or ``python -m herald.bench.throughput``) sweeps the batch size of
 one engine configuration on one model and context, B = 32, fixed T, and reports decode
-throughput = generated tokens / decode wall time (prefill excluded; synthetic, see
-:mod:`herald.bench.throughput_point`), the peak and the batch reaching it. A point that does not
+throughput = generated tokens / decode wall time (prefill excluded; the prefill is synthetic,
+random KV, unless ``--real-prefill``), the peak and the batch reaching it. A point that does not
 fit is recorded as ``oom`` (GPU memory, cap included) or ``dram`` (CPU pool / DRAM) and ends its
 sweep. In the same run: PCIe and DRAM bandwidth, the selection kernel's time per block and the
-GPU forward time at each batch, for the ceilings (:mod:`herald.bench.ceilings`).
+GPU forward time at each batch, for the ceilings.
 
-One sweep::
+One sweep:
 
     herald bench throughput --model llada2-mini --context 32768 --mode herald --kv-budget 0.05 \\
         --batches 16,32,64 --gpu-memory-gb 80
@@ -199,7 +199,7 @@ def _add_engine_arguments(g: Any) -> None:
         type=int,
         default=0,
         help="dense engine's kv_pad (default 0: a uniform batch needs no mask, the fastest "
-        "dense measured: 903 vs 784 tok/s with 512, LLaDA2.0-mini 32K x 16 on the H200)",
+        "dense measured: 903 vs 784 tok/s with 512, LLaDA2.0-mini 32K x 16 on an H200 GPU)",
     )
 
 
