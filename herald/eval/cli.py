@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from herald.cliargs import add_list, deprecated_alias
+from herald.cliargs import add_list, deprecated_alias, token_count
 from herald.config import resolve_device
 from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
@@ -83,10 +83,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add_list(
         p,
         "--contexts",
-        kind=int,
+        kind=token_count,
         metavar="TOKENS",
         default=[4096, 8192, 16384],
-        help="context lengths in tokens",
+        help="context lengths in tokens, e.g. 4096 or 4K",
     )
     add_list(
         p,
@@ -117,12 +117,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="fixed denoising steps per block (default: none, the confidence threshold decides)",
     )
-    p.add_argument("--control-tokens", type=int, default=512, help="no-context control window")
+    p.add_argument(
+        "--control-tokens", type=token_count, default=512, help="no-context control window"
+    )
     p.add_argument("--no-control", action="store_true", help="skip the no-context control")
-    p.add_argument("--min-distance", type=int, default=2000, help="recall: tokens def -> use")
+    p.add_argument(
+        "--min-distance", type=token_count, default=2000, help="recall: tokens def -> use"
+    )
     p.add_argument(
         "--infile-tokens",
-        type=int,
+        type=token_count,
         default=TaskConfig.infile_tokens,
         help="line: in-file prefix cap (tokens)",
     )

@@ -48,10 +48,16 @@ def check_args(args: argparse.Namespace) -> None:
         if any(not 0.0 < v <= 1.0 for v in values):  # also refuses nan
             shown = values if flag == "--kv-budget" else values[0]
             raise ValueError(f"{flag} must lie in (0, 1], got {shown}")
+    shown = " ".join(map(str, args.contexts))
+    if any(c < 1 for c in args.contexts):
+        raise ValueError(f"--contexts {shown}: every context must be positive")
     if any(c <= args.control_tokens for c in args.contexts):
+        # NOTE: --no-control too: every task picks targets absent from the control window
         raise ValueError(
-            f"--contexts {' '.join(map(str, args.contexts))}: every context must exceed "
-            f"--control-tokens {args.control_tokens}"
+            f"--contexts {shown}: every context must exceed --control-tokens "
+            f"{args.control_tokens} (the tasks pick targets absent from the prompt's last "
+            "--control-tokens tokens, with --no-control too); lower it, e.g. --control-tokens "
+            f"{max(1, min(args.contexts) // 4)}"
         )
     for ctx in args.contexts if "line" in args.task else []:
         cap = TaskConfig(infile_tokens=args.infile_tokens).infile_cap(ctx)

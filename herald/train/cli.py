@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from herald.cliargs import add_list
+from herald.cliargs import add_list, token_count
 from herald.config import field_help
 from herald.eval.ruler_formats import RULER_TASKS
 from herald.train.config import PRESET_STORAGE, PRESETS, SHAPE_FLAGS, ModelDims, TrainConfig, flag
@@ -74,7 +74,9 @@ def register(subparsers: Any) -> None:
         help="files inside a package: package (shuffled by directory) or deps (each file after "
         "the package files it imports, as in repository-level pretraining)",
     )
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
+    p.add_argument(
+        "--seq-len", type=token_count, default=d.seq_len, help="tokens per window, e.g. 8192 or 8K"
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
@@ -98,7 +100,7 @@ def register(subparsers: Any) -> None:
         help="loss weight of long-range tokens: name-like tokens whose n-gram last occurred at "
         "least --long-range-distance tokens earlier in the window (1 = off)",
     )
-    p.add_argument("--long-range-distance", type=int, default=d.long_range_distance)
+    p.add_argument("--long-range-distance", type=token_count, default=d.long_range_distance)
     p.add_argument("--long-range-ngram", type=int, default=d.long_range_ngram)
     p.add_argument(
         "--long-range-scope",
@@ -121,7 +123,7 @@ def register(subparsers: Any) -> None:
         metavar="TASK", help=f"the mix's tasks, cycled in this order ({', '.join(RULER_TASKS)})",
     )  # fmt: skip
     add_list(
-        p, "--task-mix-contexts", kind=int, default=None, metavar="C",
+        p, "--task-mix-contexts", kind=token_count, default=None, metavar="C",
         help="the mix's contexts in tokens (a prompt holds at most C - 128 tokens, as in herald "
         "eval; each <= --seq-len); default: those of 4096 8192 16384 32768 that fit --seq-len, "
         "else --seq-len",

@@ -84,6 +84,34 @@ def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
         assert not out.exists(), extra  # refused before --out was created
 
 
+def test_eval_contexts_checks(tmp_path, capsys):
+    """Contexts take K suffixes; zero or negative ones are refused as such; every context must
+    exceed --control-tokens, with --no-control too (the tasks pick their targets outside the
+    control window)."""
+    import argparse
+
+    from herald.cli import build_parser
+    from herald.eval.cli_checks import check_args
+
+    def parse(*flags: str) -> argparse.Namespace:
+        return build_parser().parse_args(["eval", "--out", str(tmp_path / "x"), *flags])
+
+    args = parse("--contexts", "4K,8k", "16384")
+    check_args(args)
+    assert args.contexts == [4096, 8192, 16384]
+    for bad in ("0", "-4096"):
+        assert main(["eval", "--out", str(tmp_path / "x"), "--contexts", bad]) == 2
+        assert f"--contexts {bad}: every context must be positive" in capsys.readouterr().err
+    assert main(["eval", "--out", str(tmp_path / "x"), "--contexts", "256", "--no-control"]) == 2
+    err = capsys.readouterr().err
+    assert "--contexts 256: every context must exceed --control-tokens 512" in err
+    assert "with --no-control too" in err and "--control-tokens 64" in err
+    args = parse("--contexts", "4k", "--control-tokens", "1K", "--infile-tokens", "2K")
+    check_args(args)
+    assert (args.contexts, args.control_tokens, args.infile_tokens) == ([4096], 1024, 2048)
+    assert not (tmp_path / "x").exists()
+
+
 def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
     """A context past the model's positions is refused before any example is built (not cut
     silently and reported under the asked-for label)."""

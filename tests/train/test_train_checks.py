@@ -415,3 +415,34 @@ def test_resumed_budget_hint_names_the_storage() -> None:
         check_checkpoint_size(config, 30.0, "bf16", resumed=True)
     with pytest.raises(ValueError, match="shrink the dims or store it as int8"):
         check_checkpoint_size(config, 30.0, "bf16")
+
+
+# ---- command-line parsing ---------------------------------------------------------------------
+
+
+def parse_train(*argv: str):
+    import argparse
+
+    from herald.train.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["train", "--out", "ckpt", *argv])
+
+
+def test_token_counts_take_k_suffixes(capsys) -> None:
+    from herald.train.cli import config_from_args
+
+    cfg = config_from_args(
+        parse_train(
+            "--seq-len", "4K", "--task-mix-contexts", "2k,4K", "--long-range-distance", "1K"
+        )
+    )
+    assert (cfg.seq_len, cfg.task_mix_contexts, cfg.long_range_distance) == (
+        4096,
+        (2048, 4096),
+        1024,
+    )
+    with pytest.raises(SystemExit):
+        parse_train("--seq-len", "4M")
+    assert "expected a token count like 4096 or 32K, got '4M'" in capsys.readouterr().err
