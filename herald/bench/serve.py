@@ -209,8 +209,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.steps < 0 or args.warmup_requests < 0:
-        raise ValueError("--steps and --warmup-requests must be >= 0")
+    for flag, value in (("--steps", args.steps), ("--warmup-requests", args.warmup_requests)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if not (math.isfinite(args.duration_limit_s) and args.duration_limit_s > 0):
         raise ValueError(
             f"--duration-limit-s must be a positive number, got {args.duration_limit_s}"
@@ -258,7 +259,11 @@ def _offload_config(args: argparse.Namespace, mode: str) -> OffloadConfig | None
     try:
         return OffloadConfig.for_mode(mode, **given)
     except ValueError as e:
-        raise ValueError(f"--mode {mode}: {e}") from None
+        msg = str(e)
+        for name in given:  # the setting as the user gave it: kv_budget -> --kv-budget
+            if msg.startswith(name + " "):
+                msg = "--" + name.replace("_", "-") + msg.removeprefix(name)
+        raise ValueError(f"--mode {mode}: {msg}") from None
 
 
 def _server_config(args: argparse.Namespace, mode: str, config: Any) -> tuple[Any, ...]:
@@ -295,9 +300,15 @@ def check_args(args: argparse.Namespace) -> Plan:
     if args.url is not None:
         given = [f"--{d.replace('_', '-')}" for d in _SERVER_FLAGS if getattr(args, d) is not None]
         if given or args.throughput_point:
-            flags = ", ".join(given + (["--throughput-point"] if args.throughput_point else []))
-            raise ValueError(f"{flags}: settings of the server this benchmark starts; with --url "
-                             "the running server's apply")  # fmt: skip
+            given += ["--throughput-point"] if args.throughput_point else []
+            does, sets, it = (
+                ("does", "it sets", "it") if len(given) == 1 else ("do", "they set", "them")
+            )
+            raise ValueError(
+                f"{', '.join(given)} {does} not apply with --url: {sets} up the server this "
+                "benchmark starts, and --url loads one already running, which keeps its own "
+                f"settings (leave {it} out, or leave out --url)"
+            )
         if not args.url.startswith(("http://", "https://")):
             raise ValueError(f"--url must be http://HOST:PORT, got {args.url!r}")
         plan = Plan(

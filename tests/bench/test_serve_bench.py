@@ -289,7 +289,19 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
         (["--prompt-tokens", "32768"], "the context of code-sdar"),
         (["--concurrency", "1", "0"], "--concurrency must be >= 1"),
         (["--model", "no-such-model"], "--model 'no-such-model' is neither"),
-        (["--url", "http://127.0.0.1:9", "--mode", "herald"], "--mode: settings of the server"),
+        (
+            ["--url", "http://127.0.0.1:9", "--device", "cpu"],
+            "--device does not apply with --url: it sets up the server this benchmark starts, "
+            "and --url loads one already running, which keeps its own settings (leave it out, or "
+            "leave out --url)",
+        ),
+        (
+            ["--url", "http://127.0.0.1:9", "--mode", "herald", "--throughput-point"],
+            "--mode, --throughput-point do not apply with --url: they set up",
+        ),
+        (["--mode", "herald", "--kv-budget", "5"], "--mode herald: --kv-budget must be in (0, 1]"),
+        (["--steps", "-1"], "--steps must be >= 0, got -1"),
+        (["--warmup-requests", "-2"], "--warmup-requests must be >= 0, got -2"),
         (["--throughput-point", "--steps", "0"], "--throughput-point needs --steps"),
     ],
 )
