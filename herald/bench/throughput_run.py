@@ -53,6 +53,18 @@ from herald.bench.throughput_records import (
 _GIB = 1 << 30
 
 
+def probes_line(rec: dict[str, Any]) -> str:
+    """The machine record's bandwidths in one line; PCIe n/a where there is no CUDA GPU (its
+    probe measured nothing)."""
+    pcie = rec.get("pcie")
+    link = (
+        f"PCIe H2D {pcie['h2d_gbs']:.1f} GB/s, D2H {pcie['d2h_gbs']:.1f} GB/s"
+        if pcie
+        else "PCIe n/a (no CUDA GPU)"
+    )
+    return f"{link}; DRAM read {rec['dram']['reference_gbs']:.1f} GB/s"
+
+
 class Runner:
     """Runs the selected sweeps' pending points in order, appending each record at once."""
 
@@ -244,12 +256,7 @@ class Runner:
         rec["dram"] = ceilings.dram_bandwidth(self.args.dram_probe_gib)
         append_record(self.jsonl, rec)
         self.records.append(rec)
-        pcie = rec["pcie"] or {}
-        log(
-            f"PCIe H2D {pcie.get('h2d_gbs', float('nan')):.1f} GB/s, D2H "
-            f"{pcie.get('d2h_gbs', float('nan')):.1f} GB/s; DRAM read "
-            f"{rec['dram']['reference_gbs']:.1f} GB/s"
-        )
+        log(probes_line(rec))
 
     def run(self) -> int:
         pending: list[tuple[Sweep, list[int]]] = []

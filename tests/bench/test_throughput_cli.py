@@ -302,3 +302,16 @@ def test_a_measured_folder_refuses_a_block_size_it_was_not_measured_at(tmp_path,
     assert throughput.main([*SWEEP, *fast, "--block-size", "16"]) == 2
     assert "--block-size 32 (this run: 16)" in capsys.readouterr().err
     assert len([r for r in load_records(tmp_path) if r["kind"] == "point"]) == 2
+
+
+def test_the_probes_line_says_n_a_for_pcie_without_a_gpu():
+    from herald.bench.throughput_run import probes_line
+
+    dram = {"reference_gbs": 12.34}
+    assert probes_line({"pcie": None, "dram": dram}) == (
+        "PCIe n/a (no CUDA GPU); DRAM read 12.3 GB/s"
+    )
+    pcie = {"h2d_gbs": 50.04, "d2h_gbs": 49.96}
+    assert probes_line({"pcie": pcie, "dram": dram}) == (
+        "PCIe H2D 50.0 GB/s, D2H 50.0 GB/s; DRAM read 12.3 GB/s"
+    )
