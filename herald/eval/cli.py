@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from herald.cliargs import add_list, deprecated_alias, token_count
+from herald.cliargs import add_list, deprecated_alias, list_of, token_count
 from herald.config import resolve_device
 from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
@@ -49,6 +49,26 @@ def _part(text: str) -> tuple[int, int]:
     if not 1 <= k <= n:
         raise argparse.ArgumentTypeError(f"--part K/N needs 1 <= K <= N, got {text!r}")
     return k, n
+
+
+class _Budgets(argparse.Action):
+    """``--kv-budget`` (or its old name ``--budgets``), add_list's parsing: several budgets go
+    after one flag; a second flag with other budgets is refused, not silently dropped."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+        values: Any, option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        budgets = [x for part in values for x in part]
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != budgets:
+            shown = " ".join(f"{b:g}" for b in [*given, *budgets])
+            raise argparse.ArgumentError(
+                self,
+                f"given twice (or with its old name --budgets): list every budget after one "
+                f"--kv-budget, e.g. --kv-budget {shown}",
+            )
+        setattr(namespace, self.dest, budgets)
 
 
 TASK_HELP = (
@@ -95,14 +115,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=["dense", "mage", "infinigen", "herald"],
         help="methods (the no-context control runs too, unless --no-control)",
     )
-    add_list(
-        p,
+    p.add_argument(
         "--kv-budget",
         dest="budgets",
         metavar="KV_BUDGET",
-        kind=float,
-        default=list(DEFAULT_BUDGETS),
-        help="KV budgets of the offloading modes, fractions of the context, several allowed",
+        type=list_of(float),
+        nargs="+",
+        action=_Budgets,
+        default=None,
+        help="KV budgets of the offloading modes (mage, infinigen, herald): fractions of the "
+        "context kept, several after one --kv-budget; each offloading mode runs at every one "
+        f"(default: {' '.join(f'{b:g}' for b in DEFAULT_BUDGETS)})",
     )
     p.add_argument(
         "-n", "--num-examples", type=int, default=64, help="examples per task/context (default: 64)"

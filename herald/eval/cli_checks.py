@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from herald.eval.runner import Unit
+from herald.eval.runner import DEFAULT_BUDGETS, OFFLOAD_MODES, Unit
 from herald.eval.tasks import TASK_FIELDS, TASK_GROUPS, TaskConfig
 
 
@@ -40,6 +40,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--analysis-examples must be >= 0 (0 = off), got {n}")
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"--time-limit-s must be > 0 seconds, got {args.time_limit}")
+    if args.budgets is None:
+        args.budgets = list(DEFAULT_BUDGETS)
+    elif not set(args.modes) & set(OFFLOAD_MODES):
+        raise ValueError(
+            f"--kv-budget {' '.join(f'{b:g}' for b in args.budgets)}: the budgets apply to the "
+            f"offloading modes ({', '.join(OFFLOAD_MODES)}) and --modes {' '.join(args.modes)} "
+            "runs none of them; drop --kv-budget or add an offloading mode to --modes"
+        )
     for flag, values in (
         ("--kv-budget", args.budgets),
         ("--threshold", [args.threshold]),

@@ -112,6 +112,34 @@ def test_eval_contexts_checks(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_eval_kv_budget_checks(tmp_path, capsys):
+    """--kv-budget applies to the offloading modes: refused with --modes dense alone; given
+    twice (its old name --budgets included) with other budgets it is refused, not dropped."""
+    import pytest
+
+    from herald.cli import build_parser
+    from herald.eval.cli_checks import check_args
+    from herald.eval.runner import DEFAULT_BUDGETS
+
+    out = ["eval", "--out", str(tmp_path / "x")]
+    assert main([*out, "--modes", "dense", "--kv-budget", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-budget 0.1: the budgets apply to the offloading modes" in err
+    assert "--modes dense runs none of them" in err
+    for first in ("--budgets", "--kv-budget"):
+        with pytest.raises(SystemExit):
+            main([*out, first, "0.1", "--kv-budget", "0.2"])
+        err = capsys.readouterr().err
+        assert "--kv-budget: given twice" in err and "--kv-budget 0.1 0.2" in err
+    args = build_parser().parse_args([*out, "--modes", "dense"])  # no budget given: fine
+    check_args(args)
+    assert args.budgets == list(DEFAULT_BUDGETS)
+    args = build_parser().parse_args([*out, "--kv-budget", "0.1,0.2", "--kv-budget", "0.1", "0.2"])
+    check_args(args)
+    assert args.budgets == [0.1, 0.2]
+    assert not (tmp_path / "x").exists()
+
+
 def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
     """A context past the model's positions is refused before any example is built (not cut
     silently and reported under the asked-for label)."""
@@ -151,7 +179,7 @@ def test_report_names_the_planned_units_of_parts_not_run(tmp_path):
 
 
 def test_eval_exclude_examples(tmp_path, capsys):
-    base = [a for a in ARGS if a not in ("herald",)]
+    base = [a for a in ARGS if a not in ("herald", "--kv-budget", "1.0")]  # dense only
     base[base.index("--analysis-examples") + 1] = "0"
     first, second = tmp_path / "a", tmp_path / "b"
     assert main([*base, "--out", str(first), "--no-report"]) == 0
