@@ -7,13 +7,22 @@ command runs.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
-from herald.cliargs import add_list, token_count
+from herald.cliargs import add_list, deprecated_alias, token_count
 from herald.config import field_help
 from herald.eval.ruler_formats import RULER_TASKS
-from herald.train.config import PRESET_STORAGE, PRESETS, SHAPE_FLAGS, ModelDims, TrainConfig, flag
+from herald.train.config import (
+    PRESET_STORAGE,
+    PRESETS,
+    RESERVE_S,
+    SHAPE_FLAGS,
+    ModelDims,
+    TrainConfig,
+    flag,
+)
 from herald.train.corpus import DATA_ORDERS
 
 _RESUME_NOTE = "; on --resume, must match the checkpoint if given"
@@ -87,8 +96,21 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps (default: none)"
     )
-    p.add_argument(
-        "--max-minutes", type=float, default=d.max_minutes, help="wall budget of the command"
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole command (data, tokenizer, compile, training, save) "
+        f"in minutes; --time-limit-s gives it in seconds instead (default: {d.max_minutes:g})",
+    )
+    budget.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the same budget in seconds, as eval and bench take it: --time-limit-s 480 is "
+        "--max-minutes 8 (default: --max-minutes)",
     )
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clip")
@@ -144,7 +166,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb)
     p.add_argument(
-        "--preset",
+        "--shape",
         choices=sorted(PRESETS),
         default=None,
         help="model shape of a fresh run: base (14.76M parameters, bf16, the default) or large "
@@ -195,18 +217,19 @@ def register(subparsers: Any) -> None:
     for action in p._actions:  # the rest: TrainConfig's attribute docstrings
         if action.help is None:
             action.help = field_help(TrainConfig, action.dest, default=False)
+    deprecated_alias(p, "--preset", "--shape")
     p.set_defaults(handler=cmd_train)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``herald train`` arguments (defaults for the model-shape
     flags not given)."""
-    shape: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+    shape: dict[str, Any] = dict(PRESETS[args.shape]) if args.shape else {}
     shape.update({n: getattr(args, n) for n in SHAPE_FLAGS if getattr(args, n) is not None})
     dims = ModelDims(**shape)
     storage = args.storage
-    if storage is None and args.preset is not None and args.resume is None:
-        storage = PRESET_STORAGE[args.preset]
+    if storage is None and args.shape is not None and args.resume is None:
+        storage = PRESET_STORAGE[args.shape]
     return TrainConfig(
         out_dir=args.out,
         state_file=args.state_file,
@@ -224,7 +247,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps,
         total_steps=args.total_steps,
         max_steps=args.max_steps,
-        max_minutes=args.max_minutes,
+        max_minutes=max_minutes(args),
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         loss_weighting=args.loss_weighting,
@@ -254,13 +277,30 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def max_minutes(args: argparse.Namespace) -> float:
+    """The wall budget in minutes: ``--max-minutes``, ``--time-limit-s`` / 60, or the default.
+
+    Raises:
+        ValueError: a ``--time-limit-s`` that leaves no time to train (named as given).
+    """
+    seconds = args.time_limit_s
+    if seconds is None:
+        return TrainConfig.max_minutes if args.max_minutes is None else float(args.max_minutes)
+    if not (math.isfinite(seconds) and seconds > RESERVE_S):
+        raise ValueError(
+            f"--time-limit-s must be more than {RESERVE_S:g} (the last {RESERVE_S:g} s are kept "
+            f"for validation and the save), got {seconds:g}"
+        )
+    return seconds / 60.0
+
+
 def explicit_shape_flags(args: argparse.Namespace) -> set[str]:
     """The model-shape fields (``vocab_size`` included) given on the command line, those of a
-    ``--preset`` among them (a resumed run refuses a preset that differs from its shape)."""
+    ``--shape`` among them (a resumed run refuses a shape that differs from its own)."""
     given = {n for n in (*SHAPE_FLAGS, "vocab_size") if getattr(args, n, None) is not None}
-    preset = getattr(args, "preset", None)
-    if preset is not None:
-        given |= set(PRESETS[preset]) or {"hidden_size"}
+    shape = getattr(args, "shape", None)
+    if shape is not None:
+        given |= set(PRESETS[shape]) or {"hidden_size"}
     return given
 
 

@@ -67,11 +67,11 @@ PRESETS: dict[str, dict[str, int]] = {
     "base": {},
     "large": {"hidden_size": 512, "num_layers": 9, "intermediate_size": 1344},
 }
-"""``herald train --preset``: model shapes (changes from :class:`ModelDims`). ``base`` is the
+"""``herald train --shape``: model shapes (changes from :class:`ModelDims`). ``base`` is the
 14.76 M-parameter default (29.5 MB in bf16); ``large`` has 28.68 M parameters, stored as int8
 with per-row scales (28.9 MB): about twice the parameters in the same checkpoint budget."""
 PRESET_STORAGE = {"base": "bf16", "large": "int8"}
-"""The storage a preset implies when ``--storage`` is not given (and the run is fresh)."""
+"""The storage a shape implies when ``--storage`` is not given (and the run is fresh)."""
 
 
 def model_config(dims: ModelDims, vocab_size: int, block_size: int = BLOCK_SIZE) -> ModelConfig:

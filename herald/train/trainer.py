@@ -485,9 +485,9 @@ def train(
             mix.close()  # its worker processes
     if summary["steps"] == 0:
         raise RuntimeError(
-            f"no training step fitted in --max-minutes {cfg.max_minutes:g} after "
-            f"{time.monotonic() - run.t0:.0f} s of setup; nothing saved ({cfg.out_dir} left as "
-            "it was): raise --max-minutes"
+            f"no training step fitted in the wall budget of {cfg.max_minutes:g} minutes "
+            f"(--max-minutes, or --time-limit-s / 60) after {time.monotonic() - run.t0:.0f} s of "
+            f"setup; nothing saved ({cfg.out_dir} left as it was): raise the budget"
         )
     t = time.perf_counter()
     val = run.validate()

@@ -18,7 +18,7 @@
 # A twice larger model under the same 30 MB budget: int8 storage with per-row scales
 # (herald.models.quant; 28.7M parameters, 28.9 MB of tensors + 0.5 MB tokenizer), a fresh run of
 #   EXTRA="--storage int8 --hidden-size 512 --num-heads 8 --num-layers 9 --intermediate-size 1344" bash scripts/device/train.sh
-# (two ~15 MB shards; a resumed run keeps the checkpoint's storage; `--preset large` is that shape).
+# (two ~15 MB shards; a resumed run keeps the checkpoint's storage; `--shape large` is that shape).
 # RULER-style task sequences mixed in (haystacks from the training corpus, never the stdlib),
 # continuing the bundled model at 16K, then at 32K (README, "Retraining the embedded model"):
 #   RESUME=checkpoints/code-sdar/ckpt SEQ_LEN=16384 BATCH=2 EXTRA="--task-mix 0.5" bash scripts/device/train.sh

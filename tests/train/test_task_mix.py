@@ -200,12 +200,12 @@ def test_task_mix_values_and_the_large_preset(tmp_path, capsys) -> None:
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    cfg = config_from_args(parser.parse_args([*out, "--preset", "large"]))
+    cfg = config_from_args(parser.parse_args([*out, "--shape", "large"]))
     assert (cfg.dims.hidden_size, cfg.dims.num_layers, cfg.storage) == (512, 9, "int8")
     assert cfg.task_mix == 0.0 and cfg.task_mix_tasks == RULER_TASKS
     config = model_config(cfg.dims, 8192)
     assert 2 * 14.7e6 > count_params(config) > 1.9 * 14.7e6
     assert config.num_heads == 4 * config.num_kv_heads
     assert check_checkpoint_size(config, 30.0, "int8") < 29.5e6
-    small = config_from_args(parser.parse_args([*out, "--preset", "large", "--num-layers", "4"]))
+    small = config_from_args(parser.parse_args([*out, "--shape", "large", "--num-layers", "4"]))
     assert small.dims.num_layers == 4 and small.dims.hidden_size == 512

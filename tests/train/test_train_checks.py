@@ -446,3 +446,29 @@ def test_token_counts_take_k_suffixes(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_train("--seq-len", "4M")
     assert "expected a token count like 4096 or 32K, got '4M'" in capsys.readouterr().err
+
+
+def test_shape_and_its_old_name_preset(capsys) -> None:
+    from herald.train.cli import config_from_args, explicit_shape_flags
+
+    args = parse_train("--shape", "large")
+    assert config_from_args(args).dims.hidden_size == 512
+    assert "hidden_size" in explicit_shape_flags(args)
+    assert capsys.readouterr().err == ""
+    old = parse_train("--preset", "large")  # kept for scripts, with a warning
+    assert config_from_args(old) == config_from_args(args)
+    assert "--preset is deprecated and will be removed; use --shape" in capsys.readouterr().err
+
+
+def test_time_limit_s_is_max_minutes_in_seconds(capsys) -> None:
+    from herald.train.cli import config_from_args
+
+    assert config_from_args(parse_train()).max_minutes == TrainConfig.max_minutes
+    assert config_from_args(parse_train("--max-minutes", "3")).max_minutes == 3.0
+    assert config_from_args(parse_train("--time-limit-s", "90")).max_minutes == 1.5
+    with pytest.raises(SystemExit):
+        parse_train("--time-limit-s", "90", "--max-minutes", "3")
+    assert "--max-minutes: not allowed with argument --time-limit-s" in capsys.readouterr().err
+    for bad in ("10", "nan"):
+        with pytest.raises(ValueError, match=f"--time-limit-s must be more than 20 .*, got {bad}"):
+            config_from_args(parse_train("--time-limit-s", bad))
