@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from herald.bench.common import append_jsonl
+from herald.bench.common import append_jsonl, random_prompts
 from herald.config import EngineConfig, SamplingParams
 from herald.engines import MODES, build_engine, offload_for_mode
 from herald.env import overridden
@@ -37,17 +37,13 @@ def measure(
         max_batch_size=requests, max_seq_len=prompt_len + 64, offload=offload_for_mode(mode)
     )
     eng = build_engine(model, config, engine_config)
-    g = torch.Generator().manual_seed(prompt_len)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
 
-    def run(n: int) -> float:
-        reqs = [
-            eng.add_request(
-                torch.randint(0, min(1000, config.vocab_size), (prompt_len,), generator=g).tolist(),
-                params,
-            )
-            for _ in range(n)
-        ]
+    def run(n: int, seed: int) -> float:
+        # token ids drawn without the special ones (a tiny preset's mask id is among its first
+        # few hundred: the engine refuses a prompt holding it)
+        prompts = random_prompts(config, n, prompt_len, seed)
+        reqs = [eng.add_request(prompt, params) for prompt in prompts]
         t0 = time.perf_counter()
         while eng.num_waiting:
             eng.step()
@@ -58,10 +54,10 @@ def measure(
         return wall
 
     try:
-        run(1)  # warm-up
+        run(1, seed=2 * prompt_len)  # warm-up
         eng.stats.prefill_seconds = 0.0
         eng.stats.num_prefill_tokens = 0
-        wall = run(requests)
+        wall = run(requests, seed=2 * prompt_len + 1)
         tokens, secs = eng.stats.num_prefill_tokens, eng.stats.prefill_seconds
     finally:
         eng.close()

@@ -64,6 +64,16 @@ def test_prefill_only_records_the_engines_real_prefill(tmp_path):
     assert recs[0]["target_tokens_per_s"] is None  # targets are the full-size models' only
 
 
+def test_prefill_prompts_hold_no_special_token(tmp_path):
+    """tiny-llada2's mask id (257) lies among its first ids: the engine refuses a prompt holding
+    it, so the prompts are drawn without the special ids."""
+    argv = ["--device", "cpu", "--models", "tiny-llada2", "--modes", "dense", "--prefill-only",
+            "--prefill-prompts", "64", "--out", str(tmp_path)]  # fmt: skip
+    assert forward.main(argv) == 0
+    (rec,) = [json.loads(x) for x in (tmp_path / "forward.jsonl").read_text().splitlines()][1:]
+    assert rec["status"] == "ok" and rec["prefill_tokens"] == 4 * 64, rec
+
+
 def _hand_llada_dense_params() -> int:
     """LLaDA2.0-mini's matrices every token multiplies, by hand (docs/MODELS.md)."""
     attn = 2048 * (16 + 2 * 4) * 128 + 2048 * 2048  # fused qkv, o
