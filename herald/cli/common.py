@@ -4,6 +4,8 @@ flags, and their validation in CLI terms (errors name the flag, not the field)."
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Any
 
 import torch
 
@@ -171,3 +173,50 @@ def validate_sampling(params: SamplingParams) -> None:
 def engine_help(name: str) -> str:
     """Help of an engine flag: the :class:`EngineConfig` field's attribute docstring."""
     return field_help(EngineConfig, name, default=False)
+
+
+def weights_gib(config: Any, dtype: torch.dtype) -> float:
+    """GiB of the model's weights in memory at ``dtype``: every checkpoint tensor's elements
+    (an int8 checkpoint is widened to ``dtype`` when it loads)."""
+    from herald.models.registry import weight_specs
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(s.shape) for s in weight_specs(config)) * itemsize / 2**30
+
+
+def check_weights_memory(
+    model: str, config: Any, device: torch.device, dtype: torch.dtype, kv_gib: float = 0.0
+) -> float:
+    """ValueError, before the model loads, when its weights (plus ``kv_gib`` of KV that goes to
+    the same memory) cannot fit where they go: this machine's available memory on the CPU, the
+    GPU's free memory on CUDA. Returns the weights' GiB (for the loading line). Where the free
+    memory cannot be read, nothing is checked."""
+    from herald import cliargs  # read at call time (tests stand in for the machine's memory)
+
+    need = weights_gib(config, dtype)
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu":
+        mem = cliargs.memory_gib()
+        where = "this machine's available memory"
+    elif device.type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(device)
+        mem = (free / 2**30, total / 2**30)
+        where = f"{device}'s free memory"
+    else:
+        mem = None
+    if mem is not None and need + kv_gib > mem[0]:
+        kv = f" and {kv_gib:,.1f} GiB of KV" if kv_gib else ""
+        raise ValueError(
+            f"the weights of {model} need {need:,.1f} GiB in {name}{kv}, more than {where} "
+            f"({mem[0]:,.1f} GiB of {mem[1]:,.1f} GiB): use a smaller model, a GPU, or "
+            "free memory"
+        )
+    return need
+
+
+def loading_line(model: str, config: Any, device: torch.device, dtype: torch.dtype,
+                 gib: float) -> str:  # fmt: skip
+    """The line printed before a model loads (a large one takes a while)."""
+    name = str(dtype).removeprefix("torch.")
+    size = f"{gib:,.1f} GiB" if gib >= 1 else f"{gib * 1024:,.1f} MiB"
+    return f"loading {model} ({config.architecture}, {size} of {name} weights) on {device}"

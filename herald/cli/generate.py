@@ -14,7 +14,9 @@ from herald.cli.common import (
     OFFLOAD_FLAGS,
     add_kv_pad,
     add_model_args,
+    check_weights_memory,
     kv_budget_defaults,
+    loading_line,
     model_dtype,
     offload_config,
     pool_error,
@@ -177,13 +179,17 @@ def _check_flags(args: argparse.Namespace) -> tuple[SamplingParams, OffloadConfi
 
 
 def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Any:
-    from herald.models.loader import is_preset, load_model
+    from herald.models.loader import is_preset, load_config, load_model
 
     overrides = {}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
     if args.mask_token_id is not None:
         overrides["mask_token_id"] = args.mask_token_id
+    config = load_config(args.model, **overrides)  # a bad model fails here, before the weights
+    gib = check_weights_memory(args.model, config, device, dtype)
+    if not args.quiet:
+        print(loading_line(args.model, config, device, dtype, gib), file=sys.stderr)
     try:
         loaded = load_model(
             args.model, device=device, dtype=dtype, random_init_seed=args.seed, **overrides

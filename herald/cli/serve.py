@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 from herald.cli.common import (
     add_kv_pad,
     add_model_source_args,
+    check_weights_memory,
     engine_help,
     kv_budget_defaults,
+    loading_line,
     model_dtype,
     offload_config,
     pool_error,
@@ -199,45 +201,51 @@ def _check_kv_memory(
     device: torch.device,
     offload: OffloadConfig | None,
     dtype: torch.dtype,
-) -> None:
+) -> float:
     """ValueError, before the model loads, when the KV the flags ask for is more than this
     machine's available memory: the CPU pool of an offloading mode (``--cpu-kv-tokens``, or
     by default every slot at ``--max-seq-len``; ``--cpu-kv-gb`` is checked with the other pool
-    flags) and, on the CPU device, the dense engine's KV store. A lower bound (the model's
-    weights and the engine's buffers come on top)."""
+    flags) and, on the CPU device, the dense engine's KV store. ``--max-seq-len`` counts as the
+    server will serve it: capped at the model's context unless HERALD_ALLOW_LONG_CONTEXT is set.
+    Returns the GiB of that KV which shares the weights' memory (on the CPU device), for
+    :func:`~herald.cli.common.check_weights_memory`; a lower bound either way (the engine's
+    buffers come on top)."""
     import torch
 
     from herald.cliargs import memory_gib
+    from herald.env import settings
 
-    memory = memory_gib()
-    if memory is None:
-        return
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_layer = cfg.kv_bytes_per_token(itemsize) // cfg.num_layers  # K and V of one layer
-    slots_tokens = args.max_batch_size * args.max_seq_len
+    seq = args.max_seq_len
+    if not settings().allow_long_context:
+        seq = min(seq, cfg.max_position_embeddings)
+    seq_flag = f"--max-seq-len {args.max_seq_len}" + (
+        f" (served as {seq}, the model's context)" if seq != args.max_seq_len else ""
+    )
+    slots = f"--max-batch-size {args.max_batch_size} x {seq_flag}"
     if offload is not None:
         if offload.cpu_kv_gb is not None:
-            return
+            return 0.0
         layers = max(cfg.num_layers - offload.num_dense_layers, 0)
-        tokens = offload.cpu_kv_tokens if offload.cpu_kv_tokens is not None else slots_tokens
-        flags = (
-            f"--cpu-kv-tokens {tokens}"
-            if offload.cpu_kv_tokens is not None
-            else f"--max-batch-size {args.max_batch_size} x --max-seq-len {args.max_seq_len}"
-        )
+        if offload.cpu_kv_tokens is not None:
+            tokens, flags = offload.cpu_kv_tokens, f"--cpu-kv-tokens {offload.cpu_kv_tokens}"
+        else:
+            tokens, flags = args.max_batch_size * seq, slots
         what = "the CPU KV pool of"
     elif device.type == "cpu":
-        layers, tokens = cfg.num_layers, slots_tokens
-        flags = f"--max-batch-size {args.max_batch_size} x --max-seq-len {args.max_seq_len}"
+        layers, tokens, flags = cfg.num_layers, args.max_batch_size * seq, slots
         what = "the KV store of"
     else:
-        return
+        return 0.0
     need = tokens * layers * per_layer / 2**30
-    if need > memory[0]:
+    memory = memory_gib()
+    if memory is not None and need > memory[0]:
         raise ValueError(
             f"{what} {flags} tokens needs {need:,.1f} GiB, more than this machine's available "
             f"memory ({memory[0]:.1f} GiB of {memory[1]:.1f} GiB): give fewer tokens"
         )
+    return need if device.type == "cpu" else 0.0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -279,7 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _model_config(args.model)
     if cfg is not None:
         _check_room(cfg, args.max_seq_len)
-        _check_kv_memory(args, cfg, device, offload, dtype)
+        kv_gib = _check_kv_memory(args, cfg, device, offload, dtype)
+        gib = check_weights_memory(args.model, cfg, device, dtype, kv_gib)
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
@@ -289,6 +298,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         offload=offload,
     )
     sock = reserve_port(args.host, args.port)  # a port in use is found before the model loads
+    if cfg is not None:
+        print(loading_line(args.model, cfg, device, dtype, gib), file=sys.stderr, flush=True)
     try:
         try:
             app = build_app(

@@ -291,3 +291,13 @@ def test_unknown_option_is_reported_with_the_commands_usage(argv, usage, capsys)
     err = capsys.readouterr().err
     assert usage in err
     assert "usage: herald [-h] [--version] COMMAND" not in err
+
+
+def test_generate_says_what_it_loads_unless_quiet(capsys):
+    argv = ["generate", "--model", "tiny-sdar", "--device", "cpu", "--prompt", "ab"]
+    assert main([*argv, "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "loading tiny-sdar (SDARForCausalLM, " in err
+    assert " MiB of float32 weights) on cpu" in err
+    assert main([*argv, "--max-new-tokens", "4", "--quiet"]) == 0
+    assert "loading" not in capsys.readouterr().err

@@ -203,3 +203,51 @@ def test_the_warm_up_runs_before_serving_and_leaves_no_trace() -> None:
     cold = build_app("tiny-sdar", SERVE_DEFAULTS.replace(max_seq_len=256), warm_up=False)
     assert cold.state.herald_warmup_s is None
     assert cold.state.herald.engine_loop.engine.stats.num_forwards == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_weights_larger_than_memory_are_refused_before_they_load(command, monkeypatch, capsys):
+    """The embedded model's 14.75M float32 parameters (~56 MiB) against 10 MiB available: one
+    error line naming the model and the memory, and nothing loaded."""
+    from herald import cliargs
+    from herald.models import loader
+
+    _no_model(monkeypatch)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(cliargs, "memory_gib", lambda: (10 / 1024, 4.0))
+    argv = [command, "--device", "cpu", "--dtype", "fp32"]
+    argv += ["--prompt", "x"] if command == "generate" else ["--max-batch-size", "1"]
+    argv += [] if command == "generate" else ["--max-seq-len", "64"]  # 2 MiB of KV
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the weights of code-sdar need 0.1 GiB")
+    assert "more than this machine's available memory (0.0 GiB of 4.0 GiB)" in err[0]
+
+
+def test_the_kv_check_counts_max_seq_len_as_served(monkeypatch):
+    """``--max-seq-len`` past the model's context is served at the context (unless
+    HERALD_ALLOW_LONG_CONTEXT): the pre-load KV check counts that, not the flag's value."""
+    import argparse
+
+    from herald import cliargs
+    from herald.cli.serve import _check_kv_memory
+    from herald.env import settings
+    from herald.models.loader import load_config
+
+    cfg = load_config("code-sdar")
+    monkeypatch.setattr(cliargs, "memory_gib", lambda: (3.0, 4.0))
+    monkeypatch.delenv("HERALD_ALLOW_LONG_CONTEXT", raising=False)
+    settings.cache_clear()
+    args = argparse.Namespace(max_batch_size=4, max_seq_len=10**9)
+    need = _check_kv_memory(args, cfg, torch.device("cpu"), None, torch.float32)
+    per_token = cfg.kv_bytes_per_token(4)
+    assert need == pytest.approx(4 * cfg.max_position_embeddings * per_token / 2**30)
+    monkeypatch.setenv("HERALD_ALLOW_LONG_CONTEXT", "1")
+    settings.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"--max-seq-len 1000000000 tokens needs"):
+            _check_kv_memory(args, cfg, torch.device("cpu"), None, torch.float32)
+    finally:
+        monkeypatch.delenv("HERALD_ALLOW_LONG_CONTEXT")
+        settings.cache_clear()
+    assert _check_kv_memory(args, cfg, torch.device("cuda"), None, torch.float32) == 0.0
