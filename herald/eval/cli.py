@@ -195,7 +195,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--analysis-blocks", type=int, default=4, help="blocks decoded per example")
     p.add_argument("--oracle-budget", type=float, default=0.025, help="oracle k as a budget")
-    p.add_argument("--part", type=_part, default=(1, 1), help="run every N-th unit from K: K/N")
+    p.add_argument(
+        "--part", type=_part, default="1/1", metavar="K/N", help="run every N-th unit from K"
+    )
     p.add_argument(
         "--time-limit-s",
         dest="time_limit",

@@ -26,6 +26,14 @@ from herald.train.config import (
 from herald.train.corpus import DATA_ORDERS
 
 _RESUME_NOTE = "; on --resume, must match the checkpoint if given"
+_SHAPE_HELP = {
+    "hidden_size": "hidden size",
+    "num_layers": "layers",
+    "num_heads": "query heads",
+    "num_kv_heads": "KV heads",
+    "head_dim": "dims per head",
+    "intermediate_size": "SwiGLU intermediate size",
+}
 
 
 def register(subparsers: Any) -> None:
@@ -53,8 +61,20 @@ def register(subparsers: Any) -> None:
         help="replace an existing checkpoint directory at --out (and an existing --state-file); "
         "a directory without config.json is never replaced",
     )
-    p.add_argument("--state-file", type=Path, default=None, help="default: OUT/../train_state.json")
-    p.add_argument("--log-file", type=Path, default=None, help="default: OUT/../train_log.json")
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="resume state written at the end: global step, tokens seen, data position and the "
+        "history of runs, which --resume reads (default: OUT/../train_state.json, beside --out)",
+    )
+    p.add_argument(
+        "--log-file",
+        type=Path,
+        default=None,
+        help="JSON log written at the end: settings, data, loss history, timings (default: "
+        "OUT/../train_log.json, beside --out)",
+    )
     p.add_argument("--work-dir", type=Path, default=d.work_dir, help="token-stream cache")
     p.add_argument(
         "--resume",
@@ -162,7 +182,7 @@ def register(subparsers: Any) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help=f"BPE vocabulary of a fresh run (default {d.vocab_size}{_RESUME_NOTE})",
+        help=f"BPE vocabulary of a fresh run (default: {d.vocab_size}{_RESUME_NOTE})",
     )
     p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb)
     p.add_argument(
@@ -178,7 +198,8 @@ def register(subparsers: Any) -> None:
             flag(name),
             type=int,
             default=None,
-            help=f"fresh model (default {getattr(m, name)}{_RESUME_NOTE})",
+            help=f"{_SHAPE_HELP[name]} of a fresh model (default: {getattr(m, name)}"
+            f"{_RESUME_NOTE})",
         )
     p.add_argument(
         "--max-checkpoint-mb",
@@ -216,9 +237,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     for action in p._actions:  # the rest: TrainConfig's attribute docstrings
         if action.help is None:
-            action.help = field_help(TrainConfig, action.dest, default=False)
+            action.help = help_line(field_help(TrainConfig, action.dest, default=False))
     deprecated_alias(p, "--preset", "--shape")
     p.set_defaults(handler=cmd_train)
+
+
+def help_line(doc: str) -> str:
+    """An attribute docstring as option help, in the style of the others: lower-case start (not
+    of an acronym such as MB) and no trailing period."""
+    text = doc.strip().removesuffix(".")
+    if len(text) > 1 and text[0].isupper() and not text[1].isupper():
+        text = text[0].lower() + text[1:]
+    return text
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

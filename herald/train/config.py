@@ -223,8 +223,8 @@ class TrainConfig:
     half the bytes, so twice the parameters fit the budget); default: the resumed checkpoint's,
     else bf16."""
     max_shard_mb: float = 15.0
-    """Split model.safetensors into shards of at most this many MiB (device output files are
-    capped at 16 MiB each)."""
+    """Largest weights file in MiB: a larger checkpoint is split into shards listed by
+    model.safetensors.index.json."""
     compile: bool = True
     """torch.compile the model + flex_attention + loss on CUDA."""
     device: str | None = None

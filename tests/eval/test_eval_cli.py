@@ -140,6 +140,19 @@ def test_eval_kv_budget_checks(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_eval_part_default_reads_as_k_of_n():
+    import argparse
+
+    from herald.cliargs import HelpFormatter
+    from herald.eval.cli import register
+
+    parser = register(argparse.ArgumentParser().add_subparsers())
+    assert parser.parse_args(["--out", "x"]).part == (1, 1)
+    assert parser.parse_args(["--out", "x", "--part", "2/3"]).part == (2, 3)
+    part = next(a for a in parser._actions if a.dest == "part")
+    assert HelpFormatter("herald")._get_help_string(part).endswith("(default: 1/1)")
+
+
 def test_eval_refuses_contexts_longer_than_the_model_takes(tmp_path, capsys):
     """A context past the model's positions is refused before any example is built (not cut
     silently and reported under the asked-for label)."""

@@ -472,3 +472,29 @@ def test_time_limit_s_is_max_minutes_in_seconds(capsys) -> None:
     for bad in ("10", "nan"):
         with pytest.raises(ValueError, match=f"--time-limit-s must be more than 20 .*, got {bad}"):
             config_from_args(parse_train("--time-limit-s", bad))
+
+
+def test_help_describes_every_option_in_one_style() -> None:
+    import argparse
+
+    from herald.cliargs import HelpFormatter
+    from herald.train.cli import help_line, register
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    register(subparsers)
+    train = subparsers.choices["train"]
+    helps = {
+        a.option_strings[-1]: HelpFormatter("herald")._get_help_string(a)
+        for a in train._actions
+        if a.option_strings and a.help != argparse.SUPPRESS
+    }
+    for flag, text in helps.items():
+        assert not text.endswith("."), flag
+        first = text.split()[0]
+        assert not (first[0].isupper() and first[1:].islower()), flag  # AdamW, MB, JSON: fine
+        assert "device" not in text.lower() or flag in ("--device", "--no-compile"), flag
+    for flag in ("--state-file", "--log-file"):
+        assert not helps[flag].startswith("default") and "written at the end" in helps[flag]
+    assert "MiB" in helps["--max-shard-mb"] and "16" not in helps["--max-shard-mb"]
+    assert help_line("Seed of everything.") == "seed of everything"
+    assert help_line("MB of documents.") == "MB of documents"
