@@ -23,6 +23,7 @@ from herald.cli.common import (
     refuse_offload_flags,
     validate_sampling,
 )
+from herald.cliargs import token_count
 from herald.config import EngineConfig, OffloadConfig, SamplingParams, check_kv_pad, resolve_device
 from herald.engines import MODES
 
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     )
     g.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=token_count,
         default=128,
         help="tokens to generate at most (EOS ends sooner)",
     )
@@ -67,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     )
     g.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="keep only the last N prompt tokens (long files; default: the whole prompt)",
     )
@@ -97,7 +98,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     )
     g.add_argument(
         "--cpu-kv-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="offloading modes: CPU KV pool size in tokens (instead of --cpu-kv-gb; default: "
         "what this request needs)",

@@ -19,6 +19,7 @@ from herald.cli.common import (
     pool_error,
     refuse_offload_flags,
 )
+from herald.cliargs import token_count
 from herald.config import check_kv_pad, resolve_device
 from herald.engines import MODES
 from herald.server.defaults import DEFAULT_HOST, DEFAULT_PORT
@@ -51,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         s.add_argument(
             *flags,
             dest=name,
-            type=int,
+            type=token_count if name == "max_seq_len" else int,
             default=getattr(D, name),
             help=engine_help(name).rstrip(".")
             + (
@@ -114,14 +115,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     )
     s.add_argument(
         "--cpu-kv-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="offloading modes: CPU KV pool size in tokens, instead of --cpu-kv-gb (default: "
         "as --cpu-kv-gb's)",
     )
     s.add_argument(
         "--max-prefill-tokens",
-        type=int,
+        type=token_count,
         default=D.max_prefill_tokens,
         help=engine_help("max_prefill_tokens").split(" None:")[0] + " (default: %(default)s)",
     )
@@ -264,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         offload = offload_config(args, _POOL_FLAGS)
     dtype = model_dtype(args, device)
-    flags = {"--max-batch-size": args.max_batch_size, "--max-seq-len": args.max_seq_len}
+    flags = {"--max-batch-size (--max-num-seqs)": args.max_batch_size}
+    flags |= {"--max-seq-len (--max-model-len)": args.max_seq_len}
     flags |= {"--max-waiting": args.max_waiting, "--max-prefill-tokens": args.max_prefill_tokens}
     for flag, value in flags.items():
         if value < 1:

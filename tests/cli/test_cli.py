@@ -301,3 +301,21 @@ def test_generate_says_what_it_loads_unless_quiet(capsys):
     assert " MiB of float32 weights) on cpu" in err
     assert main([*argv, "--max-new-tokens", "4", "--quiet"]) == 0
     assert "loading" not in capsys.readouterr().err
+
+
+def test_token_counts_take_a_k_suffix():
+    from herald.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["serve", "--max-model-len", "4K", "--max-prefill-tokens", "8k"])
+    assert (a.max_seq_len, a.max_prefill_tokens) == (4096, 8192)
+    a = p.parse_args(
+        ["generate", "--prompt", "x", "--max-new-tokens", "1K", "--max-prompt-tokens", "2k"]
+    )
+    assert (a.max_new_tokens, a.max_prompt_tokens) == (1024, 2048)
+    assert p.parse_args(["serve", "--cpu-kv-tokens", "32K"]).cpu_kv_tokens == 32768
+
+
+def test_a_vllm_alias_is_named_in_its_error(capsys):
+    assert main(["serve", "--device", "cpu", "--max-num-seqs", "0"]) == 2
+    assert "--max-batch-size (--max-num-seqs) must be >= 1, got 0" in capsys.readouterr().err
