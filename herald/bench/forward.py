@@ -12,7 +12,8 @@ and measures:
   syncs, and for HERALD the retrieval stream running beside);
 - with ``--profile``, its kernels by category and the top kernels, and the expert GEMMs' TB/s
   of expert weight bytes;
-- its floor from bytes and FLOPs at ``--hbm-tbps`` and ``--peak-tflops``, and measured / floor;
+- its floor from bytes and FLOPs at ``--hbm-tbps`` and ``--peak-tflops`` (a GPU's), and
+  measured / floor (left out of a CPU run's tables: a GPU's floor says nothing of CPU times);
 - prefill tokens/s through the engines' real prefill at ``--prefill-prompts`` tokens
   (``--prefill-requests`` prompts queued at once).
 
@@ -359,8 +360,8 @@ def run_model(name: str, points: list[Point], pages: int, prompts: list[int], ar
             for r in recs:
                 r["wall_seconds"] = time.perf_counter() - t0
             rec.add(recs)
-            print(report.text_table(report.FORWARD_HEADER, [report.forward_row(r) for r in recs]))
             for r in recs:
+                log(report.progress_line(r))
                 if r.get("profile"):
                     cats = r["profile"]["categories_ms"]
                     print(f"  {r['mode']} kernels: " + ", ".join(
@@ -413,7 +414,9 @@ def run(args: argparse.Namespace) -> int:
     fwd = [r for r in rec.records if r["kind"] == "forward"]
     pre = [r for r in rec.records if r["kind"] == "prefill"]
     if fwd:
-        print(report.text_table(report.FORWARD_HEADER, [report.forward_row(r) for r in fwd]))
+        print(report.text_table(*report.forward_table(fwd)))
+        if report.on_cpu(fwd):
+            print(report.CPU_NOTE)
     if pre:
         print(report.text_table(report.PREFILL_HEADER, [report.prefill_row(r) for r in pre]))
     try:

@@ -2,9 +2,10 @@
 
 ``python -m herald.bench.forward_report DIR`` (or ``herald bench forward --report DIR``) writes
 ``DIR/forward.md`` (forward time against the floor and the targets, the kernel breakdown, prefill
-tokens/s) and, where matplotlib is installed, ``DIR/forward_vs_floor.png`` and
-``DIR/forward_breakdown.png``. A point measured more than once is shown from its latest record;
-the run that measured it (code version, machine) is named under the tables.
+tokens/s) and, where matplotlib is installed, ``DIR/forward_vs_floor.png`` (GPU records only:
+the floor is a GPU's) and ``DIR/forward_breakdown.png``. A point measured more than once is
+shown from its latest record; the run that measured it (code version, machine) is named under
+the tables.
 """
 
 from __future__ import annotations
@@ -92,6 +93,40 @@ def forward_row(r: dict[str, Any]) -> list[str]:
     ]
 
 
+FLOOR_COLUMNS = ("floor ms", "forward/floor")
+CPU_NOTE = (
+    "CPU timings: no floor comparison (the floor is a GPU's: bytes at --hbm-tbps, FLOPs at "
+    "--peak-tflops)."
+)
+
+
+def on_cpu(records: list[dict[str, Any]]) -> bool:
+    """Whether every record was measured on the CPU, where the GPU floor says nothing (records
+    without a device are the GPU's: they predate the field)."""
+    return bool(records) and all(r.get("device") == "cpu" for r in records)
+
+
+def forward_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The forward table's header and rows, without the floor columns (:data:`FLOOR_COLUMNS`)
+    when every record was measured on the CPU."""
+    header, rows = FORWARD_HEADER, [forward_row(r) for r in records]
+    if on_cpu(records):
+        keep = [i for i, h in enumerate(header) if h not in FLOOR_COLUMNS]
+        header, rows = [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
+    return header, rows
+
+
+def progress_line(r: dict[str, Any]) -> str:
+    """One measured forward record in a line, as the run goes (the table comes at the end): its
+    times, and measured / floor on the GPU."""
+    if r.get("status") != "ok":
+        return f"  {r['mode']}: {r.get('status', '?').upper()} {r.get('error', '')[:100]}"
+    step = r.get("step_ms")
+    line = f"  {r['mode']}: forward {num(r['forward_ms'])} ms"
+    line += "" if step is None else f", step {num(step)} ms"
+    return line if r.get("device") == "cpu" else line + f", {ratio(r['forward_over_floor'])} floor"
+
+
 BREAKDOWN_HEADER = ["model", "mode", "context", "batch", "kernels ms", *CATEGORIES,
                     "expert TB/s"]  # fmt: skip
 
@@ -144,7 +179,7 @@ def _plots(out: Path, fwd: list[dict[str, Any]]) -> list[str]:
     if plt is None:
         skipped("forward report")
         return []
-    if not ok:
+    if not ok or on_cpu(ok):  # the floor is a GPU's: no plot of CPU timings against it
         return []
     labels = [f"{r['model']}\n{r['mode']} {ctx_label(r['context'])} bs{r['batch']}" for r in ok]
     xs = range(len(ok))
@@ -192,7 +227,8 @@ def write_report(out: Path) -> Path:
              "forward_floor.py); the forward is the engine's decode forward without the logits, "
              "a step adds the logits, sampling and host syncs.", ""]  # fmt: skip
     if fwd:
-        parts += ["## Forward time", "", md_table(FORWARD_HEADER, [forward_row(r) for r in fwd])]
+        parts += ["## Forward time", "", md_table(*forward_table(fwd))]
+        parts += ["", CPU_NOTE] if on_cpu(fwd) else []
         prof = [r for r in fwd if r.get("profile")]
         if prof:
             rows = [breakdown_row(r) for r in prof]

@@ -41,14 +41,46 @@ def test_cpu_smoke_run_through_the_cli_records_every_field(tmp_path, capsys):
     # the sparse pool holds what the floor assumes: k = ceil(5% of 64) selected + the last block
     assert recs[1]["budget"] == 0.05 and recs[1]["pool_rows"] == 4 + 32
     out = capsys.readouterr().out
-    assert "forward ms" in out and "dense kernels:" in out
+    assert "dense kernels:" in out and "  herald: forward " in out
+    # one table, at the end; on the CPU without the GPU floor's comparison, which it says
+    assert out.count("forward ms") == 1 and "floor" not in out.replace(forward_report.CPU_NOTE, "")
+    assert forward_report.CPU_NOTE in out
     md = (tmp_path / "forward.md").read_text()
-    assert "| tiny-llada2 | herald | 64 | 1 | 32 |" in md
+    assert "| tiny-llada2 | herald | 64 | 1 | 32 |" in md and forward_report.CPU_NOTE in md
+    assert "| floor ms |" not in md
     # a CPU run does not mix into a folder of GPU records
     with (tmp_path / "forward.jsonl").open("a") as f:
         f.write(json.dumps({**recs[0], "device": "cuda"}) + "\n")
     assert herald_main([*SMOKE, "--out", str(tmp_path)]) == 2
     assert "give another --out" in capsys.readouterr().err
+
+
+def _forward_record(device: str, **fields) -> dict:
+    rec = {"kind": "forward", "status": "ok", "model": "llada2-mini", "mode": "dense",
+           "context": 32768, "batch": 32, "device": device, "forward_ms": 30.0, "step_ms": 40.0,
+           "forward_over_floor": 1.5, "target": None,
+           "floor": {"tokens": 1024, "floor_ms": 20.0, "bound": "memory",
+                     "experts_basis": "measured"}}  # fmt: skip
+    return {**rec, **fields}
+
+
+def test_the_floor_is_compared_with_gpu_timings_only():
+    gpu = forward_report.forward_table([_forward_record("cuda")])
+    assert gpu[0] == forward_report.FORWARD_HEADER
+    assert gpu[1][0][7:9] == ["20.00 (memory, experts measured)", "1.50x"]
+    header, rows = forward_report.forward_table([_forward_record("cpu")])
+    assert header == ["model", "mode", "context", "batch", "tokens", "forward ms", "step ms",
+                      "target"]  # fmt: skip
+    assert rows == [["llada2-mini", "dense", "32K", "32", "1024", "30.00", "40.00", ""]]
+    # a failed point keeps its error in the last column
+    failed = _forward_record("cpu", status="oom", error="out of memory")
+    assert forward_report.forward_table([failed])[1][0][-2:] == ["", "out of memory"]
+    assert forward_report.progress_line(_forward_record("cuda")) == (
+        "  dense: forward 30.00 ms, step 40.00 ms, 1.50x floor"
+    )
+    assert forward_report.progress_line(_forward_record("cpu")) == (
+        "  dense: forward 30.00 ms, step 40.00 ms"
+    )
 
 
 def test_prefill_only_records_the_engines_real_prefill(tmp_path):
