@@ -120,6 +120,13 @@ def cap_gpu_memory(gb: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 1e9 / total))
 
 
+SELECTION_THREADS_HELP = (
+    "CPU selection kernel threads (default: $HERALD_SELECTION_THREADS, else every usable core)"
+)
+"""``--selection-threads`` of the benchmarks that build offloading engines: unset, the engines
+choose as :func:`herald.env.selection_threads` does."""
+
+
 def register_benchmark(
     subparsers: Any,
     name: str,

@@ -43,6 +43,7 @@ from herald.bench import forward_floor as ff
 from herald.bench import forward_point as fp
 from herald.bench import forward_report as report
 from herald.bench.common import (
+    SELECTION_THREADS_HELP,
     append_jsonl,
     benchmark_main,
     benchmark_parser,
@@ -130,13 +131,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu or cuda[:N] (default: cuda if available)",
     )  # fmt: skip
     p.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    p.add_argument("--selection-threads", type=int, default=None, help=SELECTION_THREADS_HELP)
     p.add_argument(
-        "--selection-threads",
-        type=int,
-        default=None,
-        help="CPU selection threads (default: every usable core, or $HERALD_SELECTION_THREADS)",
-    )
-    p.add_argument("--dram-reserve-gb", type=float, default=4.0, help="GiB of DRAM kept free")
+        "--dram-reserve-gb", type=float, default=4.0,
+        help="GiB of DRAM kept free beyond what the points are estimated to need, CPU pool and "
+        "pinned staging buffers counted (default: %(default)s; bench throughput keeps 16, its "
+        "pool being sized from available DRAM without those buffers)",
+    )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the points and floors only")
     p.add_argument(
         "--report", type=Path, default=None, help="only rebuild DIR/forward.md (default: measure)"

@@ -37,7 +37,12 @@ from typing import Any
 import torch
 
 from herald.bench import throughput_plan as plan
-from herald.bench.common import benchmark_main, benchmark_parser, register_benchmark
+from herald.bench.common import (
+    SELECTION_THREADS_HELP,
+    benchmark_main,
+    benchmark_parser,
+    register_benchmark,
+)
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.bench.throughput_records import JSONL_NAME, load_records, log
 from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
@@ -172,13 +177,16 @@ def _add_engine_arguments(g: Any) -> None:
         "--dram-reserve-gb",
         type=float,
         default=16.0,
-        help="GiB of DRAM the CPU KV pool leaves free when it is sized from available DRAM",
+        help="GiB of DRAM the CPU KV pool leaves free when it is sized from available DRAM: room "
+        "for each point's pinned staging buffers, which the pool's size does not count, and a "
+        "margin (default: %(default)s; bench forward keeps 4, its estimate counting those "
+        "buffers)",
     )
     g.add_argument(
         "--selection-threads",
         type=int,
         default=None,
-        help="CPU selection kernel threads (default: every core but two)",
+        help=SELECTION_THREADS_HELP,
     )
     g.add_argument(
         "--offload-cuda-graph",

@@ -38,3 +38,22 @@ def test_every_on_off_flag_states_its_default(name: str) -> None:
     for action in _bench_parser(name)._actions:
         if isinstance(action, argparse.BooleanOptionalAction):
             assert "default" in (action.help or ""), action.option_strings
+
+
+def _help_of(name: str, flag: str) -> str:
+    parser = _bench_parser(name)
+    action = parser._option_string_actions[flag]
+    return " ".join(parser._get_formatter()._expand_help(action).split())
+
+
+def test_throughput_and_forward_agree_on_selection_threads_and_say_why_reserves_differ() -> None:
+    # both leave the thread count to the engines (herald.env.selection_threads)
+    threads = {_help_of(name, "--selection-threads") for name in ("throughput", "forward")}
+    assert threads == {
+        "CPU selection kernel threads (default: $HERALD_SELECTION_THREADS, else every usable core)"
+    }
+    # the DRAM reserves differ for a reason each help gives, beside its own default
+    throughput = _help_of("throughput", "--dram-reserve-gb")
+    assert "(default: 16.0; bench forward keeps 4" in throughput and "staging" in throughput
+    forward = _help_of("forward", "--dram-reserve-gb")
+    assert "(default: 4.0; bench throughput keeps 16" in forward and "staging" in forward
