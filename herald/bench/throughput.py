@@ -61,23 +61,30 @@ def _cap(text: str) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("one sweep (without --plan)")
+    g = p.add_argument_group(
+        "one sweep (without --plan)",
+        "--model, --context and --mode name the sweeps to run; --models, --contexts and --modes "
+        "(below) only filter the sweeps selected",
+    )
     g.add_argument(
-        "--model", help="preset name or checkpoint directory (default: none; needed without --plan)"
+        "--model",
+        help="the model to sweep: a preset name or checkpoint directory (default: none; needed "
+        "without --plan)",
     )
     add_list(
         g,
         "--context",
         kind=int,
         metavar="TOKENS",
-        help="context length(s) in tokens (default: none; needed without --plan)",
+        help="the context length(s) to sweep in tokens, one sweep each (default: none; needed "
+        "without --plan)",
     )
     add_list(
         g,
         "--mode",
         metavar="VARIANT",
         default=None,
-        help=f"variant(s): {', '.join(VARIANTS)} (default: herald)",
+        help=f"the variant(s) to sweep, one sweep each: {', '.join(VARIANTS)} (default: herald)",
     )
     g.add_argument(
         "--kv-budget",
@@ -100,7 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cap GPU memory at this many GB (emulates a smaller GPU; default: no cap)",
     )
     g.add_argument("--steps", type=int, default=20, help="fixed denoising steps T per block")
-    g = p.add_argument_group("plans")
+    g = p.add_argument_group(
+        "plans and filters",
+        "--models, --contexts, --modes, --caps and --figures keep only the selected sweeps (of "
+        "--plan, or of --model, --context, --mode) that match; they name no sweep themselves",
+    )
     g.add_argument(
         "--plan",
         choices=["all", "table2", "fig13", "fig14", "smoke"],
@@ -113,11 +124,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="i/n: run part i of n of the selected sweeps (default: all of them)",
     )
-    add_list(g, "--models", metavar="MODEL", help="filter: models (default: every one)")
     add_list(
-        g, "--contexts", kind=int, metavar="TOKENS", help="filter: contexts (default: every one)"
-    )
-    add_list(g, "--modes", metavar="VARIANT", help="filter: variants (default: every one)")
+        g, "--models", metavar="MODEL",
+        help="filter: run only the selected sweeps of these models (default: every one)",
+    )  # fmt: skip
+    add_list(
+        g, "--contexts", kind=int, metavar="TOKENS",
+        help="filter: run only the selected sweeps at these contexts (default: every one)",
+    )  # fmt: skip
+    add_list(
+        g, "--modes", metavar="VARIANT",
+        help="filter: run only the selected sweeps of these variants (default: every one)",
+    )  # fmt: skip
     add_list(
         g,
         "--caps",

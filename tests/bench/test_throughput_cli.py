@@ -315,3 +315,19 @@ def test_the_probes_line_says_n_a_for_pcie_without_a_gpu():
     assert probes_line({"pcie": pcie, "dram": dram}) == (
         "PCIe H2D 50.0 GB/s, D2H 50.0 GB/s; DRAM read 12.3 GB/s"
     )
+
+
+def test_the_help_tells_the_sweep_flags_from_the_filters():
+    """--model/--context/--mode name the sweeps to run; --models/--contexts/--modes filter."""
+    text = " ".join(throughput.build_parser().format_help().split())
+    assert "--model, --context and --mode name the sweeps to run; --models, --contexts and " in text
+    assert "keep only the selected sweeps (of --plan, or of --model, --context, --mode)" in text
+    for flag, says in (
+        ("--model MODEL", "the model to sweep"),
+        ("--context TOKENS [TOKENS ...]", "the context length(s) to sweep"),
+        ("--mode VARIANT [VARIANT ...]", "the variant(s) to sweep"),
+        ("--models MODEL [MODEL ...]", "filter: run only the selected sweeps of these models"),
+        ("--contexts TOKENS [TOKENS ...]", "filter: run only the selected sweeps at these"),
+        ("--modes VARIANT [VARIANT ...]", "filter: run only the selected sweeps of these variants"),
+    ):
+        assert f"{flag} {says}" in text, flag
