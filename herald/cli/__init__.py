@@ -108,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "debug", False):
             raise
         msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+        if isinstance(e, OSError) and e.strerror and e.filename is not None:
+            msg = f"{e.filename}: {e.strerror}"  # not "[Errno 2] No such file ...: 'x'"
         # torch's C++ errors append their native stack ("Exception raised from ..."): one line
         msg = msg.split("\nException raised from ", 1)[0]
-        # a bad value or name is the user's: its message says what; other errors keep their kind
-        kind = "" if isinstance(e, (ValueError, KeyError)) else f"{type(e).__name__}: "
+        # a bad value, name or path is the user's: its message says what; others keep their kind
+        user = (ValueError, KeyError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                PermissionError, FileExistsError)  # fmt: skip
+        kind = "" if isinstance(e, user) else f"{type(e).__name__}: "
         print(f"error: {kind}{msg}", file=sys.stderr)
         return 2
     except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint

@@ -319,3 +319,10 @@ def test_token_counts_take_a_k_suffix():
 def test_a_vllm_alias_is_named_in_its_error(capsys):
     assert main(["serve", "--device", "cpu", "--max-num-seqs", "0"]) == 2
     assert "--max-batch-size (--max-num-seqs) must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_missing_file_is_named_without_errno_noise(tmp_path, capsys):
+    missing = tmp_path / "nope.txt"
+    assert main(["generate", "--prompt-file", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {missing}: No such file or directory"]
