@@ -60,7 +60,13 @@ from herald.bench.serve_run import (
     run_points,
 )
 from herald.bench.throughput_records import log
-from herald.cliargs import add_list, add_model_source_args, check_pool_flags, resolve_dtype
+from herald.cliargs import (
+    add_list,
+    add_model_source_args,
+    check_pool_flags,
+    resolve_dtype,
+    token_count,
+)
 from herald.config import OffloadConfig, resolve_device
 from herald.engines import MODES
 from herald.env import settings
@@ -96,7 +102,7 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cpu-kv-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="CPU pool size in tokens (default: --cpu-kv-gb, else what the batch and length need)",
     )
@@ -113,13 +119,13 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--max-seq-len",
         "--max-model-len",
         dest="max_seq_len",
-        type=int,
+        type=token_count,
         default=None,
         help="tokens per request (default: the longest prompt + --max-tokens)",
     )
     p.add_argument(
         "--max-prefill-tokens",
-        type=int,
+        type=token_count,
         default=None,
         help="prompt tokens prefilled per block boundary (default: herald serve's)",
     )
@@ -131,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_list(
         p,
         "--prompt-tokens",
-        kind=int,
+        kind=token_count,
         default=[256],
         metavar="TOKENS",
         help="prompt length(s) in the model's tokens",
@@ -150,7 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="requests per level (default: twice its concurrency)",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    p.add_argument(
+        "--max-tokens", type=token_count, default=64, help="tokens generated per request"
+    )
     p.add_argument(
         "--steps",
         type=int,

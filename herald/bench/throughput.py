@@ -46,7 +46,7 @@ from herald.bench.common import (
 from herald.bench.throughput_plan import VARIANTS, Sweep
 from herald.bench.throughput_records import JSONL_NAME, load_records, log
 from herald.bench.throughput_run import Runner, model_config, pool_page_bytes
-from herald.cliargs import add_list, deprecated_alias
+from herald.cliargs import add_list, deprecated_alias, token_count
 from herald.config import DEFAULT_KV_PAD, check_kv_pad
 
 __all__ = ["JSONL_NAME", "load_records", "main", "register", "run"]
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_list(
         g,
         "--context",
-        kind=int,
+        kind=token_count,
         metavar="TOKENS",
         help="the context length(s) to sweep in tokens, one sweep each (default: none; needed "
         "without --plan)",
@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="filter: run only the selected sweeps of these models (default: every one)",
     )  # fmt: skip
     add_list(
-        g, "--contexts", kind=int, metavar="TOKENS",
+        g, "--contexts", kind=token_count, metavar="TOKENS",
         help="filter: run only the selected sweeps at these contexts (default: every one)",
     )  # fmt: skip
     add_list(

@@ -410,3 +410,12 @@ def test_the_duration_limit_is_per_level() -> None:
     text = " ".join(serve.build_parser().format_help().split())
     assert "each load level's wall-clock limit in seconds" in text
     assert "(per level, not the whole run's) (default: 120.0)" in text
+
+
+def test_token_counts_take_a_k_suffix_as_herald_serve_s() -> None:
+    args = serve.build_parser().parse_args(
+        ["--prompt-tokens", "1K", "2k", "--max-tokens", "1K", "--max-model-len", "4K",
+         "--max-prefill-tokens", "2K", "--cpu-kv-tokens", "8K", "--out", "x"]
+    )  # fmt: skip
+    assert args.prompt_tokens == [1024, 2048] and args.max_tokens == 1024
+    assert (args.max_seq_len, args.max_prefill_tokens, args.cpu_kv_tokens) == (4096, 2048, 8192)

@@ -331,3 +331,8 @@ def test_the_help_tells_the_sweep_flags_from_the_filters():
         ("--modes VARIANT [VARIANT ...]", "filter: run only the selected sweeps of these variants"),
     ):
         assert f"{flag} {says}" in text, flag
+
+
+def test_contexts_take_a_k_suffix():
+    args = throughput.build_parser().parse_args(["--context", "16K", "32768", "--contexts", "2k"])
+    assert args.context == [16384, 32768] and args.contexts == [2048]
