@@ -152,6 +152,8 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> Non
         )
         target(parser, namespace, values, new)
 
+    pairs = parser.__dict__.setdefault("_herald_aliases", [])
+    pairs.append((old, new))
     action = type("DeprecatedAlias", (argparse.Action,), {"__call__": call})
     kwargs: dict[str, Any] = {"type": target.type} if target.type is not None else {}
     parser.add_argument(
@@ -165,6 +167,15 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> Non
         help=argparse.SUPPRESS,
         **kwargs,
     )
+
+
+def check_alias_conflicts(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """``parser.error`` when ``argv`` gives both a deprecated name (:func:`deprecated_alias`) and
+    its new one: argparse would keep whichever came last."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for old, new in parser.__dict__.get("_herald_aliases", []):
+        if old in given and new in given:
+            parser.error(f"{old} is the old name of {new}: give only {new}")
 
 
 DEFAULT_MODEL = "code-sdar"

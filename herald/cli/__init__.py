@@ -22,7 +22,7 @@ from pathlib import Path
 from herald import __version__
 from herald.cli import generate, serve
 from herald.cli.common import DEFAULT_MODEL, parse_dtype
-from herald.cliargs import use_help_formatter
+from herald.cliargs import check_alias_conflicts, use_help_formatter
 
 __all__ = ["DEFAULT_MODEL", "build_parser", "main"]
 
@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    leaf = getattr(args, "_parser", parser)
     if extra:  # argparse would report them under the top-level usage
-        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        leaf.error(f"unrecognized arguments: {' '.join(extra)}")
+    check_alias_conflicts(leaf, sys.argv[1:] if argv is None else argv)
     try:
         return int(args.handler(args))
     except KeyboardInterrupt:

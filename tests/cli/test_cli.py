@@ -326,3 +326,11 @@ def test_a_missing_file_is_named_without_errno_noise(tmp_path, capsys):
     assert main(["generate", "--prompt-file", str(missing)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {missing}: No such file or directory"]
+
+
+def test_an_old_name_with_its_new_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--budget", "0.1", "--kv-budget=0.2", "--dry-run"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "herald bench throughput: error: --budget is the old name of --kv-budget" in err
