@@ -1,12 +1,12 @@
 """``herald eval``: the whole accuracy evaluation in one command (HERALD §VI-B analogs).
 
-Plans units (:func:`herald.eval.runner.plan_units`), builds each (task, context)'s examples once,
-runs the units in priority order and writes, under ``--out``:
+Plans the units of work (a task, context, mode and budget each), builds each (task, context)'s
+examples once, runs the units in priority order and writes, under ``--out``:
 
 - ``examples/<task>_<context>.json``: the recorded selection (files, sha256, lines, Python);
 - ``runs/<unit>.json``: one unit's raw results (every prediction, per-example scores, timing,
   config, machine, command, date);
-- ``results.json``, ``README.md``, plots: the merged report (:mod:`herald.eval.report`).
+- ``results.json``, ``README.md``, plots: the merged report.
 
 Work can be split (``--part K/N`` takes every N-th unit) and bounded (``--time-limit-s``: no unit is
 started that would not finish in time, judged by the slowest unit so far); finished units are
