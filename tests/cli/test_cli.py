@@ -250,7 +250,8 @@ def test_missing_bundled_checkpoint_is_a_clear_error(tmp_path, monkeypatch, caps
 
 def test_every_option_states_its_default():
     """Every option of every subcommand has help that ends with its default (added by the help
-    formatter) or says in words what it is when unset; flags and required options excepted."""
+    formatter) or says in words what it is when unset; plain flags and required options
+    excepted (an --x/--no-x pair with a default is not a plain flag)."""
     import argparse
 
     from herald.cli import build_parser
@@ -268,8 +269,13 @@ def test_every_option_states_its_default():
 
     missing = []
     for path, action in walk(build_parser(), []):
-        if action.required or action.nargs == 0 or action.help == argparse.SUPPRESS:
-            continue
+        on_off = isinstance(action, argparse.BooleanOptionalAction) and action.default is not None
+        if (
+            action.required
+            or (action.nargs == 0 and not on_off)
+            or action.help == argparse.SUPPRESS
+        ):
+            continue  # a plain flag is off unless given; an --x/--no-x pair must say which
         text = HelpFormatter("herald")._get_help_string(action)
         if not action.help or "default" not in text.lower():
             missing.append(f"{path} {action.option_strings[-1]}")
