@@ -172,7 +172,16 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> Non
 def check_alias_conflicts(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     """``parser.error`` when ``argv`` gives both a deprecated name (:func:`deprecated_alias`) and
     its new one: argparse would keep whichever came last."""
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    names = [o for o in parser._option_string_actions if o.startswith("--")]
+    given = set()
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        typed = arg.split("=", 1)[0]
+        # argparse also takes an unambiguous prefix of a name (--kv-bud for --kv-budget)
+        hits = [typed] if typed in names else [o for o in names if o.startswith(typed)]
+        if len(hits) == 1:
+            given.add(hits[0])
     for old, new in parser.__dict__.get("_herald_aliases", []):
         if old in given and new in given:
             parser.error(f"{old} is the old name of {new}: give only {new}")

@@ -340,3 +340,7 @@ def test_an_old_name_with_its_new_one_is_refused(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "herald bench throughput: error: --budget is the old name of --kv-budget" in err
+    for argv in (["--budget", "0.1", "--kv-bud", "0.2"], ["--budg=0.1", "--kv-budget", "0.2"]):
+        with pytest.raises(SystemExit):  # argparse's prefixes of either name count too
+            main(["bench", "forward", *argv, "--dry-run"])
+        assert "--budget is the old name of --kv-budget" in capsys.readouterr().err
