@@ -406,8 +406,8 @@ def run(args: argparse.Namespace) -> int:
     path = args.out / JSONL_NAME
     check_out(path, st.device.type)
     rec = Recorder(path)
-    log(f"{len(points)} points, {len(prompts) * len(kinds)} prefill lengths per model; "
-        f"records to {path}")  # fmt: skip
+    log(f"{len(points)} points, {len(prompts)} prefill lengths x {len(kinds)} engines per "
+        f"model; records to {path}")  # fmt: skip
     for name in args.models:
         mine = [p for p in points if p.model == name]
         if mine or prompts:
