@@ -341,8 +341,15 @@ def scan_third_party(
     roots = list(sites) if sites is not None else site_dirs()
     std_roots = list(stdlib_roots) if stdlib_roots is not None else stdlib_dirs()
     # A site directory nested in the stdlib (CPython's layout) is walked; the stdlib itself is not.
+    given = roots
     roots = [r for r in roots if not any(r == s for s in std_roots)]
     if not roots:
+        if sites is not None and given:  # the caller's site dirs are all stdlib dirs
+            shown = ", ".join(map(str, given))
+            raise ValueError(
+                f"the site directory ({shown}) is the standard library's, which is held out of "
+                "training: give a directory of third-party sources (--site-dir)"
+            )
         raise ValueError("no third-party site directory found for this interpreter")
     # Walks start at the site dirs, so the stdlib proper is never visited; excluding a stdlib root
     # matters only where it sits inside a site dir. A stdlib root that *contains* a site dir

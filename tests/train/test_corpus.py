@@ -144,3 +144,10 @@ def test_order_documents_deps(trees) -> None:
     assert deps == C.order_documents(list(reversed(files)), seed=0, order="deps")
     with pytest.raises(ValueError, match="data order"):
         C.order_documents(files, seed=0, order="random")
+
+
+def test_a_site_dir_that_is_the_stdlib_is_named(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match=r"the site directory \(.*\) is the standard library's"):
+        C.scan_third_party([tmp_path], stdlib_roots=[tmp_path])
