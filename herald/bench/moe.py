@@ -142,7 +142,8 @@ def sweep(
     moe: SparseMoE, tokens: int, iters: int, repeats: int, grid: list[TileConfig]
 ) -> list[dict[str, object]]:
     """Each fused GEMM timed alone (its launch only, the alignment done once per block_m) for
-    every config of ``grid`` that fits in shared memory, with its weight bandwidth."""
+    every config of ``grid`` that fits in shared memory, with its weight bandwidth; and the
+    alignment itself, timed once per block_m (``gemm`` "align")."""
     x = torch.randn(tokens, moe.experts_gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
     idx, _ = moe.route(x)
     wgu, wd = moe.experts_gate_up, moe.experts_down
@@ -154,9 +155,12 @@ def sweep(
     aligned: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for cfg in grid:
         if cfg.block_m not in aligned:
-            rows, tile_expert = align_by_expert(idx, wgu.shape[0], cfg.block_m)
+            align = functools.partial(align_by_expert, idx, wgu.shape[0], cfg.block_m)
+            rows, tile_expert = align()
             act = launch_gate_up(x, wgu, rows, tile_expert, top_k, _fill_config(cfg))
             aligned[cfg.block_m] = (rows, tile_expert, act)
+            out.append({"tokens": tokens, "gemm": "align", "block_m": cfg.block_m,
+                        "ms": _time_ms(align, iters, repeats)})  # fmt: skip
         rows, tile_expert, act = aligned[cfg.block_m]
         calls = {
             "gate_up": functools.partial(launch_gate_up, x, wgu, rows, tile_expert, top_k, cfg),
@@ -207,6 +211,12 @@ def summarize_sweep(rows: list[dict[str, object]]) -> list[str]:
             + ", ".join(f"{m}x{k} {ms:.3f}" for (m, k), ms in sorted(by_mk.items()))
         )
         best[gemm] = by_mk
+    align = {int(r["block_m"]): float(r["ms"]) for r in ok if r["gemm"] == "align"}  # type: ignore[call-overload, arg-type]
+    if align:
+        lines.append(
+            "  alignment (sort by expert) per block_m: "
+            + ", ".join(f"{m} {ms:.3f}" for m, ms in sorted(align.items()))
+        )
     both = {mk: ms + best["down"][mk] for mk, ms in best["gate_up"].items() if mk in best["down"]}
     lines.append(
         "  both GEMMs, best per (block_m, block_k): "

@@ -3,7 +3,8 @@
 # the fused GEMMs' GPU tests, then each GEMM timed alone at LLaDA2.0-mini's shapes over
 # block_m 16/32/64 x block_k 64/128/256 (block_n 64/128, 4 warps, 3-4 stages), at the token
 # counts of a dense 32K bs 32 forward (1,024), HERALD's bs 80 main stream (2,560) and its fused
-# draft step (5,120). ~5-7 minutes, mostly compiles.
+# draft step (5,120), and the alignment (sort by expert) per block_m. ~5-7 minutes (an estimate:
+# not yet run), mostly compiles.
 #
 #   bash scripts/device/moe_sweep.sh          (pytest_moe.log, moe.log, moe/moe.jsonl in $OUT)
 set -uo pipefail
@@ -18,4 +19,4 @@ timeout "${SWEEP_S:-400}" python3 -m herald.bench.moe --tokens "${TOKENS:-1024,2
     --sweep-block-m "${BLOCK_M:-16,32,64}" --sweep-block-k "${BLOCK_K:-64,128,256}" \
     --sweep-block-n 64,128 --sweep-warps 4 --sweep-stages 3,4 --iters 10 --repeats 3 \
     --out "$OUT/moe" > "$OUT/moe.log" 2>&1
-echo "sweep exit $?"; grep -E "^T |both GEMMs|best (gate_up|down):" "$OUT/moe.log"
+echo "sweep exit $?"; grep -E "^T |both GEMMs|alignment|best (gate_up|down):" "$OUT/moe.log"
