@@ -143,7 +143,7 @@ def sweep(
 ) -> list[dict[str, object]]:
     """Each fused GEMM timed alone (its launch only, the alignment done once per block_m) for
     every config of ``grid`` that fits in shared memory, with its weight bandwidth; and the
-    alignment itself, timed once per block_m (``gemm`` "align")."""
+    alignment itself, by sort and by count, timed once per block_m (``gemm`` "align")."""
     x = torch.randn(tokens, moe.experts_gate_up.shape[2], device="cuda", dtype=torch.bfloat16)
     idx, _ = moe.route(x)
     wgu, wd = moe.experts_gate_up, moe.experts_down
@@ -155,12 +155,16 @@ def sweep(
     aligned: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for cfg in grid:
         if cfg.block_m not in aligned:
-            align = functools.partial(align_by_expert, idx, wgu.shape[0], cfg.block_m)
-            rows, tile_expert = align()
+            rows, tile_expert = align_by_expert(idx, wgu.shape[0], cfg.block_m)
             act = launch_gate_up(x, wgu, rows, tile_expert, top_k, _fill_config(cfg))
             aligned[cfg.block_m] = (rows, tile_expert, act)
-            out.append({"tokens": tokens, "gemm": "align", "block_m": cfg.block_m,
-                        "ms": _time_ms(align, iters, repeats)})  # fmt: skip
+            for method in ("sort", "count"):
+                align = functools.partial(
+                    align_by_expert, idx, wgu.shape[0], cfg.block_m, method=method
+                )
+                ms = _time_ms(align, iters, repeats)
+                key = {"tokens": tokens, "gemm": "align", "method": method, "block_m": cfg.block_m}
+                out.append({**key, "ms": ms})
         rows, tile_expert, act = aligned[cfg.block_m]
         calls = {
             "gate_up": functools.partial(launch_gate_up, x, wgu, rows, tile_expert, top_k, cfg),
@@ -211,11 +215,14 @@ def summarize_sweep(rows: list[dict[str, object]]) -> list[str]:
             + ", ".join(f"{m}x{k} {ms:.3f}" for (m, k), ms in sorted(by_mk.items()))
         )
         best[gemm] = by_mk
-    align = {int(r["block_m"]): float(r["ms"]) for r in ok if r["gemm"] == "align"}  # type: ignore[call-overload, arg-type]
+    align = [r for r in ok if r["gemm"] == "align"]
     if align:
         lines.append(
-            "  alignment (sort by expert) per block_m: "
-            + ", ".join(f"{m} {ms:.3f}" for m, ms in sorted(align.items()))
+            "  alignment per block_m: "
+            + ", ".join(
+                f"{r['block_m']} {r.get('method', 'sort')} {r['ms']:.3f}"
+                for r in sorted(align, key=lambda r: (str(r["block_m"]), str(r.get("method"))))
+            )
         )
     both = {mk: ms + best["down"][mk] for mk, ms in best["gate_up"].items() if mk in best["down"]}
     lines.append(

@@ -101,18 +101,26 @@ def padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 def align_by_expert(
-    idx: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+    idx: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, *, method: str = "sort"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, slot) rows grouped by expert, each group padded to ``block_m``.
 
     Args:
         idx: [T, K] int64 expert ids.
+        method: how a row finds its place in its expert's group: ``"sort"`` (a stable sort of
+            the ids) or ``"count"`` (no sort: a running count of each expert's rows, a cumsum
+            over a [T*K, E] one-hot). The same result either way; which is faster on the GPU
+            is for ``python -m herald.bench.moe --sweep`` to show.
 
     Returns:
         ``rows`` [P] int32 (row ``t*K + k`` at each position, ``T*K`` at padding) and
         ``tile_expert`` [P // block_m] int32 (-1 for tiles past the last expert's group), with
         P = :func:`padded_rows`. Within an expert, rows keep their (token, slot) order.
     """
+    if method == "count":
+        return _align_by_count(idx, num_experts, block_m)
+    if method != "sort":
+        raise ValueError(f"method must be 'sort' or 'count', got {method!r}")
     num_rows = idx.numel()
     flat = idx.reshape(-1)
     dev = idx.device
@@ -129,6 +137,30 @@ def align_by_expert(
     total = padded_rows(num_rows, num_experts, block_m)
     rows = torch.full((total,), num_rows, dtype=torch.int32, device=dev)
     rows[dest] = order.to(torch.int32)
+    tile_start = torch.arange(0, total, block_m, device=dev)
+    tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
+    return rows, tile_expert.to(torch.int32)
+
+
+def _align_by_count(
+    idx: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_by_expert` without a sort: a row's rank in its expert's group is the number
+    of earlier rows routed to that expert (an inclusive cumsum of the one-hot, minus one)."""
+    num_rows = idx.numel()
+    flat = idx.reshape(-1)
+    dev = idx.device
+    onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)
+    running = onehot.cumsum(0, dtype=torch.int32)  # [rows, E]: each expert's count so far
+    counts = onehot.sum(0, dtype=torch.int64)
+    rank = running.gather(1, flat[:, None]).squeeze(1).to(torch.int64) - 1
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    total = padded_rows(num_rows, num_experts, block_m)
+    rows = torch.full((total,), num_rows, dtype=torch.int32, device=dev)
+    rows[pad_start[flat] + rank] = torch.arange(num_rows, device=dev, dtype=torch.int32)
     tile_start = torch.arange(0, total, block_m, device=dev)
     tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)

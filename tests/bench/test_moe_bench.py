@@ -33,14 +33,14 @@ def test_summary_ranks_numerics_choices_by_both_gemms() -> None:
         _row("down", 64, 64, 128, 0.10),
         _row("down", 16, 128, 64, 0.15),
         {"tokens": 32, "gemm": "down", "config": {}, "error": "out of resources"},
-        {"tokens": 32, "gemm": "align", "block_m": 64, "ms": 0.05},
-        {"tokens": 32, "gemm": "align", "block_m": 16, "ms": 0.04},
+        {"tokens": 32, "gemm": "align", "method": "sort", "block_m": 64, "ms": 0.05},
+        {"tokens": 32, "gemm": "align", "method": "count", "block_m": 64, "ms": 0.03},
     ]
     lines = summarize_sweep(rows)
     assert lines[0].startswith("  best gate_up: m16 k128 n64 w4 s3 0.200 ms")
     assert lines[1] == "  gate_up best per (block_m, block_k): 16x128 0.200, 64x64 0.300"
     assert lines[3] == "  down best per (block_m, block_k): 16x128 0.150, 64x64 0.100"
-    assert lines[4] == "  alignment (sort by expert) per block_m: 16 0.040, 64 0.050"
+    assert lines[4] == "  alignment per block_m: 64 count 0.030, 64 sort 0.050"
     # gate_up + down per (block_m, block_k), fastest first: 16x128 0.35 before 64x64 0.40
     assert lines[5] == "  both GEMMs, best per (block_m, block_k): 16x128 0.350, 64x64 0.400"
     assert _cfg_str(rows[0]["config"]) == "m64 k64 n128 w4 s3"

@@ -33,11 +33,12 @@ def _routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "block_m"), [(1, 8, 32, 4), (37, 4, 8, 16)])
+@pytest.mark.parametrize("method", ["sort", "count"])
 def test_align_by_expert_groups_rows_in_order_with_padding(
-    tokens: int, top_k: int, experts: int, block_m: int
+    tokens: int, top_k: int, experts: int, block_m: int, method: str
 ) -> None:
     idx = _routing(tokens, top_k, experts, seed=tokens)
-    rows, tile_expert = align_by_expert(idx, experts, block_m)
+    rows, tile_expert = align_by_expert(idx, experts, block_m, method=method)
     n = tokens * top_k
     assert rows.numel() == padded_rows(n, experts, block_m)
     assert rows.numel() % block_m == 0 and tile_expert.numel() == rows.numel() // block_m
@@ -58,6 +59,23 @@ def test_align_by_expert_groups_rows_in_order_with_padding(
     for e in range(experts):
         own = rows[(rows < n)][flat[rows[rows < n].long()] == e]
         assert own.tolist() == sorted(own.tolist())  # (token, slot) order kept within an expert
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_both_alignments_are_the_same(seed: int) -> None:
+    """The sort-free alignment gives the sort's result bit for bit, including skewed routings
+    (every row to a few experts) and unused experts."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, top_k, experts = int(torch.randint(1, 300, (1,), generator=g)), 4, 16
+    idx = _routing(tokens, top_k, experts, seed=seed)
+    if seed % 2:  # skewed: only experts 0-4
+        idx = idx % 5
+    for block_m in (1, 4, 16, 64):
+        a = align_by_expert(idx, experts, block_m, method="sort")
+        b = align_by_expert(idx, experts, block_m, method="count")
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="method must be"):
+        align_by_expert(idx, experts, method="radix")
 
 
 def test_tile_configs_keep_the_numerics_fixed_and_fit_in_shared_memory() -> None:
