@@ -231,7 +231,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _load_tokenizer(model: str) -> tuple[Any, Any]:
     """(config, tokenizer) of ``model`` without building it; ValueError for an unknown one."""
-    from herald.models.loader import BUNDLED_CHECKPOINTS, bundled_checkpoint, is_preset, load_config
+    from herald.models.loader import BUNDLED_CHECKPOINTS, checkpoint_path, is_preset, load_config
     from herald.models.registry import list_presets
     from herald.models.tokenizer import byte_level_tokenizer, load_tokenizer
 
@@ -241,7 +241,7 @@ def _load_tokenizer(model: str) -> tuple[Any, Any]:
             f"({', '.join(BUNDLED_CHECKPOINTS)}) nor a preset ({', '.join(list_presets())})"
         )
     config = load_config(model)
-    path = bundled_checkpoint(model) or Path(model)
+    path = checkpoint_path(model)
     tok = load_tokenizer(path, config) if path.is_dir() else byte_level_tokenizer(config)
     return config, tok
 

@@ -135,11 +135,13 @@ def model_info(args: argparse.Namespace, config: Any) -> dict[str, Any]:
 
 
 def checkpoint_dir(model: str) -> Path | None:
-    """The checkpoint directory ``--model`` names (a directory or a bundled checkpoint), or None
-    for a random-weight preset."""
-    from herald.models.loader import bundled_checkpoint
+    """The checkpoint directory ``--model`` names (a directory, the ``ckpt/`` of a run folder, or
+    a bundled checkpoint: :func:`~herald.models.loader.checkpoint_path`), or None for a
+    random-weight preset."""
+    from herald.models.loader import checkpoint_path
 
-    return Path(model) if Path(model).is_dir() else bundled_checkpoint(model)
+    path = checkpoint_path(model)
+    return path if path.is_dir() else None
 
 
 RESUME_KEYS = ("model", "decode", "tasks", "analysis", "num_examples", "exclude_examples")

@@ -136,6 +136,12 @@ def test_a_run_folder_means_its_ckpt(tiny_checkpoint: Callable[..., Path], tmp_p
     direct, _, _ = load_model(ckpt, "cpu")
     assert torch.equal(_logits(model), _logits(direct))
     assert load_config(tmp_path / "run") == cfg
+    # the other readers of --model resolve it the same way
+    from herald.bench.serve import _load_tokenizer
+    from herald.eval.cli_checks import checkpoint_dir
+
+    assert checkpoint_dir(str(tmp_path / "run")) == ckpt
+    assert _load_tokenizer(str(tmp_path / "run"))[0] == cfg
     (ckpt / "config.json").unlink()  # a folder with neither: the plain error, naming the folder
     with pytest.raises(FileNotFoundError, match=f"no config.json at {tmp_path / 'run'}"):
         load_config(tmp_path / "run")
