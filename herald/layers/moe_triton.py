@@ -117,50 +117,32 @@ def align_by_expert(
         ``tile_expert`` [P // block_m] int32 (-1 for tiles past the last expert's group), with
         P = :func:`padded_rows`. Within an expert, rows keep their (token, slot) order.
     """
-    if method == "count":
-        return _align_by_count(idx, num_experts, block_m)
-    if method != "sort":
+    if method not in ("sort", "count"):
         raise ValueError(f"method must be 'sort' or 'count', got {method!r}")
     num_rows = idx.numel()
     flat = idx.reshape(-1)
     dev = idx.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    pad_start = pad_end - padded
-    cnt_start = counts.cumsum(0) - counts
-    order = flat.to(torch.int32).argsort(stable=True)  # int32 keys halve the radix passes
-    sorted_e = flat[order]
-    rank = torch.arange(num_rows, device=dev) - cnt_start[sorted_e]
-    dest = pad_start[sorted_e] + rank
-    total = padded_rows(num_rows, num_experts, block_m)
-    rows = torch.full((total,), num_rows, dtype=torch.int32, device=dev)
-    rows[dest] = order.to(torch.int32)
-    tile_start = torch.arange(0, total, block_m, device=dev)
-    tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
-    return rows, tile_expert.to(torch.int32)
-
-
-def _align_by_count(
-    idx: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`align_by_expert` without a sort: a row's rank in its expert's group is the number
-    of earlier rows routed to that expert (an inclusive cumsum of the one-hot, minus one)."""
-    num_rows = idx.numel()
-    flat = idx.reshape(-1)
-    dev = idx.device
-    onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)
-    running = onehot.cumsum(0, dtype=torch.int32)  # [rows, E]: each expert's count so far
-    counts = onehot.sum(0, dtype=torch.int64)
-    rank = running.gather(1, flat[:, None]).squeeze(1).to(torch.int64) - 1
+    # Per row to place: its expert, its rank in that expert's group and its (token, slot) row.
+    if method == "sort":
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        order = flat.to(torch.int32).argsort(stable=True)  # int32 keys halve the radix passes
+        expert = flat[order]
+        rank = torch.arange(num_rows, device=dev) - (counts.cumsum(0) - counts)[expert]
+        row = order.to(torch.int32)
+    else:  # a row's rank: the earlier rows routed to its expert (inclusive cumsum, minus one)
+        onehot = torch.nn.functional.one_hot(flat, num_experts).to(torch.int32)
+        running = onehot.cumsum(0, dtype=torch.int32)  # [rows, E]: each expert's count so far
+        counts = onehot.sum(0, dtype=torch.int64)
+        expert = flat
+        rank = running.gather(1, flat[:, None]).squeeze(1).to(torch.int64) - 1
+        row = torch.arange(num_rows, device=dev, dtype=torch.int32)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
     pad_start = pad_end - padded
     total = padded_rows(num_rows, num_experts, block_m)
     rows = torch.full((total,), num_rows, dtype=torch.int32, device=dev)
-    rows[pad_start[flat] + rank] = torch.arange(num_rows, device=dev, dtype=torch.int32)
+    rows[pad_start[expert] + rank] = row
     tile_start = torch.arange(0, total, block_m, device=dev)
     tile_expert = torch.searchsorted(pad_end, tile_start, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
