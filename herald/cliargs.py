@@ -90,6 +90,16 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def flag_message(msg: str, flags: dict[str, str]) -> str:
+    """A config error's message in command-line terms: a leading field name (``kv_budget ...``)
+    becomes its flag (``--kv-budget ...``), by ``flags`` (field -> flag); other messages as
+    they are."""
+    for field, flag in flags.items():
+        if msg.startswith(field + " "):
+            return flag + msg.removeprefix(field)
+    return msg
+
+
 def list_of(kind: Callable[[str], Any], choices: Iterable[Any] | None = None) -> Any:
     """An argparse ``type``: one argument, split at commas, each part converted by ``kind`` (and
     checked against ``choices``)."""

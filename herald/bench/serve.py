@@ -64,6 +64,7 @@ from herald.cliargs import (
     add_list,
     add_model_source_args,
     check_pool_flags,
+    flag_message,
     resolve_dtype,
     token_count,
 )
@@ -267,10 +268,7 @@ def _offload_config(args: argparse.Namespace, mode: str) -> OffloadConfig | None
     try:
         return OffloadConfig.for_mode(mode, **given)
     except ValueError as e:
-        msg = str(e)
-        for name in given:  # the setting as the user gave it: kv_budget -> --kv-budget
-            if msg.startswith(name + " "):
-                msg = "--" + name.replace("_", "-") + msg.removeprefix(name)
+        msg = flag_message(str(e), {name: "--" + name.replace("_", "-") for name in given})
         raise ValueError(f"--mode {mode}: {msg}") from None
 
 

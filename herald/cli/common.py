@@ -14,6 +14,7 @@ from herald.cliargs import (
     DTYPE_HELP,
     add_model_source_args,
     check_pool_flags,
+    flag_message,
     memory_gib,
     parse_dtype,
     resolve_dtype,
@@ -132,10 +133,10 @@ def offload_config(args: argparse.Namespace, dests: tuple[str, ...]) -> OffloadC
         cfg = OffloadConfig.for_mode(args.mode, **chosen)
     except ValueError as e:
         msg = str(e).replace("lookahead='off'", "--lookahead off")
-        if msg.startswith("kv_budget "):
-            msg = "--kv-budget " + msg.removeprefix("kv_budget ")
-        elif "selection needs" in msg:
-            msg = f"--mode {args.mode}: {msg}"
+        named = flag_message(msg, {"kv_budget": "--kv-budget"})
+        if named == msg and "selection needs" in msg:
+            named = f"--mode {args.mode}: {msg}"
+        msg = named
         raise ValueError(msg) from None
     if "output_mode" in chosen and cfg.selection_device != "cpu":
         raise ValueError(
@@ -162,12 +163,7 @@ def validate_sampling(params: SamplingParams) -> None:
     try:
         params.validate()
     except ValueError as e:
-        msg = str(e)
-        for field, flag in SAMPLING_FLAGS.items():
-            if msg.startswith(field + " "):
-                msg = flag + msg.removeprefix(field)
-                break
-        raise ValueError(msg) from None
+        raise ValueError(flag_message(str(e), SAMPLING_FLAGS)) from None
 
 
 def engine_help(name: str) -> str:
