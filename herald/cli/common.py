@@ -4,7 +4,6 @@ flags, and their validation in CLI terms (errors name the flag, not the field)."
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 import torch
@@ -174,10 +173,9 @@ def engine_help(name: str) -> str:
 def weights_gib(config: Any, dtype: torch.dtype) -> float:
     """GiB of the model's weights in memory at ``dtype``: every checkpoint tensor's elements
     (an int8 checkpoint is widened to ``dtype`` when it loads)."""
-    from herald.models.registry import weight_specs
+    from herald.models.registry import count_params
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(s.shape) for s in weight_specs(config)) * itemsize / 2**30
+    return count_params(config) * torch.empty((), dtype=dtype).element_size() / 2**30
 
 
 def check_weights_memory(

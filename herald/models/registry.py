@@ -81,6 +81,11 @@ def weight_specs(config: ModelConfig) -> list[WeightSpec]:
     return model_class(config.architecture).weight_specs(config)
 
 
+def count_params(config: ModelConfig) -> int:
+    """Parameters in the checkpoint of ``config`` (tied embeddings counted once)."""
+    return sum(spec.numel for spec in weight_specs(config))
+
+
 def default_device() -> torch.device:
     """``cuda`` when available, else ``cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

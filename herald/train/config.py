@@ -21,7 +21,7 @@ from typing import Any
 from herald.eval.ruler_formats import RULER_TASKS, RulerConfig
 from herald.models.config import SDAR_ARCH, ModelConfig
 from herald.models.quant import STORAGES, checkpoint_storage, stored_bytes
-from herald.models.registry import weight_specs
+from herald.models.registry import count_params, weight_specs
 from herald.train.corpus import DATA_ORDERS
 from herald.train.objective import LossWeighting
 from herald.train.tokenizer_train import EOS_ID, MASK_ID, MAX_VOCAB, MIN_VOCAB, PAD_ID
@@ -108,11 +108,6 @@ def model_config(dims: ModelDims, vocab_size: int, block_size: int = BLOCK_SIZE)
         "torch_dtype": "bfloat16",
     }
     return ModelConfig.from_hf(hf)
-
-
-def count_params(config: ModelConfig) -> int:
-    """Parameters in the checkpoint of ``config`` (tied embeddings counted once)."""
-    return sum(spec.numel for spec in weight_specs(config))
 
 
 def check_checkpoint_size(
