@@ -152,6 +152,9 @@ lookahead, 5%, ``selected`` kernel output), ``mage`` (block queries at step 0, n
 2.5%, GPU selection), ``infinigen`` (proxy channels at step 0, 20%). A new mode is one entry here
 and one policy."""
 
+FIRST_PASSES = ("none", "int8", "int8-gpu")
+"""Values of ``OffloadConfig.first_pass``."""
+
 MODE_OF_QUERIES = {spec.queries: name for name, spec in OFFLOAD_MODES.items()}
 """Offloading mode of each ``OffloadConfig.selection_queries`` value."""
 
@@ -200,7 +203,12 @@ class OffloadConfig:
     in bf16, and a top-k the bounds cannot certify is recomputed by the exact kernel, so the
     indices are always the exact ones. The certificate needs each query head's softmax
     normaliser, which the int8 bounds leave open: with several query heads per KV head it rarely
-    holds on real KV (results/compact/README.md), so "int8" stays off until measured faster."""
+    holds on real KV (results/compact/README.md), so "int8" stays off until measured faster.
+    "int8-gpu": the int8 copy of K lives on the GPU instead (max batch x max length x Hkv x
+    (D + 4) bytes per offloaded layer) and the representative query is scored there; the CPU
+    only stores the KV (the selected rows come from its pool). Approximate: the top-k of the
+    int8 importances, not the exact one (:mod:`herald.offload.selection.compact_device`); needs
+    ``output_mode="selected"``."""
 
     retrieval_groups: int | None = None
     """HERALD's retrieval job in this many request groups, pipelined: while the GPU computes
@@ -241,10 +249,15 @@ class OffloadConfig:
             raise ValueError(
                 f"retrieval_groups must be a positive int, got {self.retrieval_groups!r}"
             )
-        if self.first_pass not in ("none", "int8"):
-            raise ValueError(f"first_pass must be 'none' or 'int8', got {self.first_pass!r}")
+        if self.first_pass not in FIRST_PASSES:
+            raise ValueError(f"first_pass must be one of {FIRST_PASSES}, got {self.first_pass!r}")
         if self.first_pass != "none" and (self.mode != "herald" or self.selection_device != "cpu"):
-            raise ValueError("first_pass='int8' needs the representative query on the CPU kernel")
+            raise ValueError(
+                f"first_pass={self.first_pass!r} needs HERALD's representative query "
+                "(selection_queries='representative', selection_device='cpu')"
+            )
+        if self.first_pass == "int8-gpu" and self.output_mode != "selected":
+            raise ValueError("first_pass='int8-gpu' needs output_mode='selected'")
 
     @property
     def mode(self) -> str:

@@ -152,7 +152,8 @@ class OffloadEngine(Engine):
         off, cfg, b = self.offload, self.config, self.block_size
         assert off is not None
         dims = (len(self.pool.layers), cfg.num_kv_heads, cfg.head_dim, b)
-        fp = off.first_pass  # the int8 copy of K (compact first pass) counts in the pool's size
+        # the CPU pool's int8 copy of K (first_pass="int8") counts in the pool's size
+        fp = off.first_pass if off.first_pass == "int8" else "none"
         if off.cpu_kv_gb is not None:
             return CpuKVPool.from_gib(off.cpu_kv_gb, *dims, first_pass=fp)
         if off.cpu_kv_tokens is not None:

@@ -46,8 +46,10 @@ from herald.layers.fusion import run_eagerly_in_this_thread
 from herald.layers.moe_triton import triton_enabled
 from herald.models.base import BlockDiffusionLM, DecoderLayer
 from herald.offload.gpu_fetch import fetch_rows, gpu_fetch_available
+from herald.offload.retrieval_device import device_scored_layer
 from herald.offload.retrieval_job import RetrievalJob
 from herald.offload.selection.compact_cpu import compact_args, select_topk_compact
+from herald.offload.selection.compact_device import DeviceCompactKeys
 from herald.offload.selection.cpu import select_topk
 
 
@@ -70,6 +72,7 @@ class RetrievalWorker:
         faults: FaultInjection | None = None,
         kv_pad: int = 0,
         groups: int | None = None,
+        device_keys: DeviceCompactKeys | None = None,
     ) -> None:
         self.model = model
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
@@ -79,6 +82,9 @@ class RetrievalWorker:
         self.mask_token_id, self.block_size = mask_token_id, block_size
         self.output_mode, self.num_threads = output_mode, num_threads
         self.faults = faults
+        # first_pass="int8-gpu": the offloaded layers select on the device from these
+        # (herald.offload.retrieval_device) instead of the CPU kernel.
+        self.device_keys = device_keys
         self.kv_pad = kv_pad  # dense layers' key length padding (SlotAttention's kv_pad)
         if groups is not None and (
             isinstance(groups, bool) or not isinstance(groups, int) or groups < 1
@@ -250,7 +256,7 @@ class RetrievalWorker:
         """A group's query at ``layer_id`` queued on this stream and, for an offloaded layer on
         CUDA, its copy to the host queued behind it (waited for by :meth:`_query_to_host`)."""
         q, _, _ = layer.qkv(hidden, pos)
-        if layer_id < self.num_dense or not self.cuda:
+        if layer_id < self.num_dense or not self.cuda or self.device_keys is not None:
             return q, None
         return q, self._start_query_copy(q, row0)
 
@@ -304,6 +310,8 @@ class RetrievalWorker:
         selection and attention output, and the selected rows on their way into the idle pool.
         ``last_group``: the layer's staging is marked copied after this group's copies (one
         event for all the groups' copies: they run in order on the copy stream)."""
+        if self.device_keys is not None:
+            return device_scored_layer(self, job, layer_id, q, rows, last_group, parts)
         a, e = rows
         n = e - a
         pl = layer_id - self.num_dense

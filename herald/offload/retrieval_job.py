@@ -29,6 +29,9 @@ class RetrievalJob:
     buffer: int
     ready: torch.cuda.Event | None = None
     record: bool = False
+    # first_pass="int8-gpu": the tail's KV on the device, [L', 2, n, Hkv, B, D] (the draft
+    # group's, or the block just committed).
+    tail_kv: torch.Tensor | None = None
     # Filled by the worker.
     num_selected: list[int] = field(default_factory=list)
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

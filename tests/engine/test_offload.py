@@ -38,6 +38,11 @@ MODES = {
     "rep-no-lookahead-selected-int8": OffloadConfig.for_mode(
         "herald", lookahead="off", kv_budget=1.0, selection_threads=2, first_pass="int8"
     ),
+    # the int8 copy of K on the model's device, scored there (approximate below budget 1.0)
+    "herald-int8-gpu": OffloadConfig.for_mode("herald", kv_budget=1.0, first_pass="int8-gpu"),
+    "rep-no-lookahead-int8-gpu": OffloadConfig.for_mode(
+        "herald", lookahead="off", kv_budget=1.0, first_pass="int8-gpu"
+    ),
 }
 
 
@@ -184,7 +189,7 @@ def test_budget_one_equals_dense_on_gpu(preset):
     # lockstep, so its batch's longest key length differs from the offload engine's.
     dense = make_engine(model, config, None, max_batch_size=4, max_seq_len=256)
     ref = [r.output_ids for r in dense.generate(prompts, params)]
-    for mode in ("herald", "herald-full", "mage-gpu", "mage-cpu", "infinigen"):
+    for mode in ("herald", "herald-full", "mage-gpu", "mage-cpu", "infinigen", "herald-int8-gpu"):
         eng = make_engine(model, config, MODES[mode], max_batch_size=4, max_seq_len=256)
         got = [r.output_ids for r in eng.generate(prompts, params)]
         eng.close()

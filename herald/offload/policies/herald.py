@@ -19,6 +19,7 @@ import torch
 from herald.kv.pinned import PinnedStaging
 from herald.offload.policies.base import NextBlock, SelectionPolicy
 from herald.offload.retrieval import RetrievalJob, RetrievalWorker
+from herald.offload.selection.compact_device import DeviceCompactKeys
 
 if TYPE_CHECKING:
     from herald.offload.engine import OffloadEngine
@@ -33,6 +34,16 @@ class HeraldPolicy(SelectionPolicy):
         assert off is not None
         self.drafts = off.lookahead == "draft"
         self._job: RetrievalJob | None = None
+        self._committed: torch.Tensor | None = None  # the last on_commit's blocks
+        # first_pass="int8-gpu": an int8 copy of the offloaded layers' keys on the device,
+        # scored there instead of the CPU kernel (herald.offload.selection.compact_device)
+        self.keys: DeviceCompactKeys | None = None
+        if off.first_pass == "int8-gpu":
+            cfg = core.config
+            self.keys = DeviceCompactKeys(
+                core.pool.layers, core.max_batch_size, cfg.num_kv_heads, core.max_seq_len,
+                cfg.head_dim, core.device,
+            )  # fmt: skip
         self.worker = RetrievalWorker(
             core.model,
             core.num_dense,
@@ -47,10 +58,29 @@ class HeraldPolicy(SelectionPolicy):
             faults=core.hooks.faults,
             kv_pad=core.kv_pad,
             groups=off.retrieval_groups,
+            device_keys=self.keys,
         )
 
     def on_draft(self, draft_kv: torch.Tensor) -> None:
         self._start(draft_kv)
+
+    def on_commit(self, blocks: torch.Tensor) -> None:
+        if self.keys is not None:  # (the tail of a selection that starts after the commit)
+            self._committed = blocks
+            self.keys.write_blocks(blocks[:, 0], self.core.batch.starts())
+
+    def on_prompt_keys(self, slot: int, keys: dict[int, torch.Tensor]) -> None:
+        if self.keys is not None:
+            for layer in self.keys.layers:
+                self.keys.write(layer, slot, 0, keys[layer])
+
+    def on_synthetic_prefill(self, slot: int, num_tokens: int) -> None:
+        if self.keys is not None:
+            self.keys.fill_random(slot, num_tokens)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        if self.keys is not None:
+            self.keys.move_slot(src, dst, length)
 
     def next_block(self, finishing: bool) -> NextBlock:
         core = self.core
@@ -105,6 +135,7 @@ class HeraldPolicy(SelectionPolicy):
             buffer=core.pool.idle,
             ready=ready,
             record=record,
+            tail_kv=(draft_kv if draft_kv is not None else self._committed) if self.keys else None,
         )
         if core.hooks.on_selection is not None:
             core.hooks.on_selection(job)
@@ -117,6 +148,7 @@ class HeraldPolicy(SelectionPolicy):
         if self._job is not None:
             self._job.done.wait()
             self._job = None
+        self._committed = None
 
     def close(self) -> None:
         self.cancel()

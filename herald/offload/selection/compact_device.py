@@ -1,0 +1,198 @@
+"""HERALD's selection scored on the GPU from an int8 copy of K (``first_pass="int8-gpu"``).
+
+The compact first pass's second placement: instead of the CPU streaming every prefix key in bf16
+(0.634 GB per request and block at LLaDA2.0-mini 32K; the CPU's DRAM bandwidth caps HERALD there),
+the model's device keeps an int8 copy of the offloaded layers' keys, one float32 scale per
+(token, KV head) (:func:`herald.kv.compact_keys.quantize_keys`, D + 4 bytes per (token, KV head):
+51.6% of bf16 K at head_dim 128), and scores it at HBM speed. The CPU pool still holds the full
+bf16 KV; the selected rows come from it (the GPU fetch reads them from the page-locked pool), so
+the CPU only stores.
+
+**Not exact.** The importance (HERALD §IV-B4: softmax over every key, summed over the KV head's
+query rows) is computed with each prefix key replaced by its int8 reconstruction ``s * q8`` (the
+always-included tail keys exact). With several query heads per KV head the exact top-k cannot be
+certified from int8 bounds (results/compact/README.md); this placement takes the approximate top-k
+as it is. On the embedded checkpoint's real KV at 16K (budget 5%) it keeps 99.3-99.7% of the exact
+top-k and >= 0.99995 of its importance mass; the top 1.5k by int8 importance holds the whole exact
+top-k. Budget 1.0 still selects every position (then nothing is approximate).
+
+Device memory: ``max_batch x max_len x Hkv x (D + 4)`` bytes per offloaded layer, allocated when
+the engine starts (:class:`DeviceCompactKeys`). Scoring converts int8 to float32 per chunk of
+requests (at most :data:`CHUNK_BYTES` of float32 keys at once) and multiplies the per-token scale
+after the dot product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from herald.kv.compact_keys import quantize_keys
+
+CHUNK_BYTES = 256 << 20
+"""Largest float32 copy of int8 keys the scoring holds at once (requests are scored in chunks)."""
+
+
+class DeviceCompactKeys:
+    """int8 keys and float32 scales of every running request, per offloaded layer, in slot order
+    on the model's device (zeros until written).
+
+    Args:
+        layers: the offloaded layers' ids; slots: the engine's max batch; num_kv_heads,
+            max_len (tokens per slot), head_dim; device.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device,
+    ) -> None:
+        self.layers = list(layers)
+        shape = (slots, num_kv_heads, max_len)
+        self.q8 = {i: torch.zeros((*shape, head_dim), dtype=torch.int8, device=device)
+                   for i in self.layers}  # fmt: skip
+        self.scales = {i: torch.zeros(shape, dtype=torch.float32, device=device)
+                       for i in self.layers}  # fmt: skip
+        self.nbytes = sum(t.nbytes for t in (*self.q8.values(), *self.scales.values()))
+
+    def write(self, layer: int, slot: int, start: int, keys: torch.Tensor) -> None:
+        """Keys ``[Hkv, n, D]`` (any float dtype, same device) of positions ``[start, start +
+        n)`` of ``slot``, quantized."""
+        q8, s = quantize_keys(keys)
+        n = keys.shape[1]
+        self.q8[layer][slot, :, start : start + n] = q8
+        self.scales[layer][slot, :, start : start + n] = s
+
+    def write_blocks(self, blocks_k: torch.Tensor, starts: Sequence[int]) -> None:
+        """One committed block per slot ``0..n-1``: ``blocks_k`` ``[L', n, Hkv, B, D]`` (the
+        offloaded layers in order), slot ``i``'s block at positions ``[starts[i], + B)``."""
+        q8, s = quantize_keys(blocks_k)
+        b = blocks_k.shape[3]
+        for li, layer in enumerate(self.layers):
+            for i, st in enumerate(starts):
+                self.q8[layer][i, :, st : st + b] = q8[li, i]
+                self.scales[layer][i, :, st : st + b] = s[li, i]
+
+    def fill_random(self, slot: int, num_tokens: int) -> None:
+        """Random keys for a synthetic prefill (benchmarks: the scoring's cost, not its choices),
+        from a generator seeded by the slot (the global one is left alone)."""
+        for layer in self.layers:
+            q8 = self.q8[layer][slot, :, :num_tokens]
+            gen = torch.Generator(device=q8.device).manual_seed(1 + 1000 * slot + layer)
+            vals = torch.randint(-127, 128, q8.shape, generator=gen, device=q8.device)
+            q8.copy_(vals)
+            self.scales[layer][slot, :, :num_tokens].fill_(1.0 / 127)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Slot compaction: slot ``src``'s first ``length`` positions -> slot ``dst``."""
+        for layer in self.layers:
+            self.q8[layer][dst, :, :length] = self.q8[layer][src, :, :length]
+            self.scales[layer][dst, :, :length] = self.scales[layer][src, :, :length]
+
+
+def select_int8(
+    q: torch.Tensor,
+    keys: DeviceCompactKeys,
+    layer: int,
+    slot0: int,
+    prefix_lens: Sequence[int],
+    num_selected: Sequence[int],
+    tail_k: torch.Tensor,
+) -> torch.Tensor:
+    """The approximate top-k of rows ``slot0 ..`` (one per request) at ``layer``.
+
+    Args:
+        q: ``[n, Hq, D]`` the representative queries (device).
+        keys: the int8 store; the ranked prefix of request ``i`` is its slot's positions
+            ``[0, prefix_lens[i])``.
+        num_selected: ``k_i <= prefix_lens[i]`` per request (0 selects nothing).
+        tail_k: ``[n, Hkv, T, D]`` the always-included tail's exact keys (attended, in every
+            softmax, never ranked).
+
+    Returns:
+        ``[n, Hkv, max(1, max k_i)]`` int32 positions, ascending per (request, head), -1 past
+        ``k_i``. Ties in the int8 importance go either way (the rule is approximate anyway).
+    """
+    n, hq, d = q.shape
+    hkv = tail_k.shape[1]
+    kmax = max([1, *num_selected])
+    out = torch.full((n, hkv, kmax), -1, dtype=torch.int32, device=q.device)
+    i = 0
+    while i < n:
+        j = i + 1
+        per = hkv * d * 4
+        while j < n and (j + 1 - i) * per * max(prefix_lens[i : j + 1]) <= CHUNK_BYTES:
+            j += 1
+        _select_chunk(q[i:j], keys, layer, slot0 + i, prefix_lens[i:j], num_selected[i:j],
+                      tail_k[i:j], out[i:j])  # fmt: skip
+        i = j
+    return out
+
+
+def _select_chunk(
+    q: torch.Tensor,
+    keys: DeviceCompactKeys,
+    layer: int,
+    slot0: int,
+    prefix_lens: Sequence[int],
+    num_selected: Sequence[int],
+    tail_k: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    n, _, d = q.shape
+    hkv = tail_k.shape[1]
+    s_max = max(prefix_lens)
+    k = max(num_selected)
+    if k == 0 or s_max == 0:
+        return
+    x = q.float().reshape(n, hkv, -1, d)  # [n, Hkv, G, D]: KV head h's rows h*G .. h*G+G-1
+    scale = d**-0.5
+    q8 = keys.q8[layer][slot0 : slot0 + n, :, :s_max].float()
+    sc = keys.scales[layer][slot0 : slot0 + n, :, :s_max]
+    score = torch.matmul(x, q8.transpose(-1, -2)) * (sc[:, :, None, :] * scale)  # [n,Hkv,G,S]
+    lens = torch.tensor(list(prefix_lens), device=q.device)
+    pos = torch.arange(s_max, device=q.device)
+    valid = (pos[None, :] < lens[:, None])[:, None, None, :]
+    score = score.masked_fill(~valid, float("-inf"))
+    tail = torch.matmul(x, tail_k.float().transpose(-1, -2)) * scale  # [n, Hkv, G, T]
+    m = torch.maximum(score.amax(-1, keepdim=True), tail.amax(-1, keepdim=True))
+    e = torch.exp(score - m)
+    z = e.sum(-1, keepdim=True) + torch.exp(tail - m).sum(-1, keepdim=True)
+    imp = (e / z).sum(2).masked_fill(~valid[:, :, 0], -1.0)  # [n, Hkv, S]
+    top = torch.topk(imp, k, dim=-1, sorted=True).indices  # descending importance
+    ks = torch.tensor(list(num_selected), device=q.device)
+    keep = torch.arange(k, device=q.device)[None, None, :] < ks[:, None, None]
+    top = torch.where(keep, top, s_max).sort(dim=-1).values  # kept ascending, then the pad
+    out[:, :, :k] = torch.where(top < s_max, top, -1).to(torch.int32)
+
+
+def attend_selected_and_tail(
+    q: torch.Tensor,
+    k_sel: torch.Tensor,
+    v_sel: torch.Tensor,
+    pad: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[n, Hq, D]`` over the rows of ``k_sel``/``v_sel`` ``[n, Hkv,
+    m, D]`` not excluded by ``pad`` ``[n, m]`` (true: excluded) plus every tail row ``[n, Hkv,
+    T >= 1, D]``, in float32: the selection's ``selected`` output (what the sparse pool then
+    attends to). Returns ``[n, Hq, D]`` float32."""
+    n, hq, d = q.shape
+    hkv = tail_k.shape[1]
+    x = q.float().reshape(n, hkv, hq // hkv, d)
+    scale = d**-0.5
+    s1 = torch.matmul(x, k_sel.float().transpose(-1, -2)) * scale  # [n, Hkv, G, m]
+    s1 = s1.masked_fill(pad[:, None, None, :], float("-inf"))
+    s2 = torch.matmul(x, tail_k.float().transpose(-1, -2)) * scale  # [n, Hkv, G, T]
+    m = torch.maximum(s1.amax(-1, keepdim=True), s2.amax(-1, keepdim=True))
+    p1, p2 = torch.exp(s1 - m), torch.exp(s2 - m)
+    v1 = v_sel.float().masked_fill_(pad[:, None, :, None], 0.0)  # (0 x NaN would be NaN)
+    o = torch.matmul(p1, v1) + torch.matmul(p2, tail_v.float())
+    o = o / (p1.sum(-1, keepdim=True) + p2.sum(-1, keepdim=True))
+    return o.reshape(n, hq, d)
