@@ -30,6 +30,7 @@ RELEVANT = {
     "dense": ("gpu_forward",),
     "herald": _CPU_SELECTING,
     "herald-selected": _CPU_SELECTING,
+    "herald-int8-gpu": ("per_block_fetch", "gpu_forward"),
     "mage-cpu-rep": _CPU_SELECTING,
     "mage-cpu": _CPU_SELECTING,
     "mage": ("full_kv_per_block_fetch", "gpu_forward"),

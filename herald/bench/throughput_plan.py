@@ -66,6 +66,8 @@ class Variant:
         cfg = self.offload_config(self.default_budget or 0.05)
         if cfg.selection_queries == "proxy" or cfg.selection_device == "gpu":
             return None
+        if cfg.first_pass == "int8-gpu":  # scored on the GPU: the CPU kernel never runs
+            return None
         return 1 if cfg.selection_queries == "representative" else block_size
 
 
@@ -80,6 +82,13 @@ VARIANTS = {
             "HERALD, `selected` kernel output",
             "herald",
             (("output_mode", "selected"),),
+            0.05,
+        ),
+        Variant(
+            "herald-int8-gpu",
+            "HERALD, int8 K scored on the GPU (approximate)",
+            "herald",
+            (("first_pass", "int8-gpu"),),
             0.05,
         ),
         Variant("mage", "MAGE-Offload (GPU selection)", "mage", default_budget=0.025),
@@ -149,7 +158,12 @@ BATCHES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {
         "infinigen": (8, 16, 24, 32, 40, 48),
     },
 }
-_LIKE = {"herald-selected": "herald", "mage-cpu-rep": "herald", "mage-cpu": "mage"}
+_LIKE = {
+    "herald-selected": "herald",
+    "herald-int8-gpu": "herald",
+    "mage-cpu-rep": "herald",
+    "mage-cpu": "mage",
+}
 
 
 UNIFORM, MIXED = "uniform", "mixed"  # a point's contexts: Sweep.contexts, a record's "contexts"

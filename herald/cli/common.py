@@ -20,6 +20,7 @@ from herald.cliargs import (
 )
 from herald.config import (
     DEFAULT_KV_PAD,
+    FIRST_PASSES,
     MAX_KV_PAD,
     EngineConfig,
     OffloadConfig,
@@ -69,6 +70,20 @@ def add_kv_pad(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_first_pass(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--first-pass",
+        choices=list(FIRST_PASSES),
+        default=None,
+        help="--mode herald only: how the representative query scores the prefix. none (default): "
+        "the CPU kernel over every key in bf16, exact; int8: an int8 copy of K in the CPU pool "
+        "scanned first, exact indices (rarely faster); int8-gpu: an int8 copy of K on the GPU "
+        "(max batch x max length x KV heads x (head_dim + 4) bytes per offloaded layer), scored "
+        "there, the CPU only storing the KV: approximate (the top-k of the int8 importances; "
+        "needs --kernel-output selected, the default)",
+    )
+
+
 def kv_budget_defaults() -> str:
     return ", ".join(f"{m} {OffloadConfig.for_mode(m).kv_budget:g}" for m in OFFLOAD_MODES)
 
@@ -109,6 +124,7 @@ OFFLOAD_FLAGS = {
     "selection_device": "selection_device",
     "lookahead": "lookahead",
     "kernel_output": "output_mode",
+    "first_pass": "first_pass",
 }
 """``herald generate``'s offloading flags (argparse dest) -> :class:`OffloadConfig` field."""
 
@@ -123,6 +139,8 @@ def offload_config(args: argparse.Namespace, dests: tuple[str, ...]) -> OffloadC
         for dest in dests
         if getattr(args, dest, None) is not None
     }
+    if "first_pass" in chosen and args.mode != "herald":
+        raise ValueError(f"--first-pass applies to --mode herald only, not --mode {args.mode}")
     if "selection_device" in chosen and args.mode != "mage":
         raise ValueError(
             f"--selection-device applies to --mode mage only (--mode {args.mode} selects "
@@ -132,6 +150,8 @@ def offload_config(args: argparse.Namespace, dests: tuple[str, ...]) -> OffloadC
         cfg = OffloadConfig.for_mode(args.mode, **chosen)
     except ValueError as e:
         msg = str(e).replace("lookahead='off'", "--lookahead off")
+        msg = msg.replace("first_pass=", "--first-pass ")
+        msg = msg.replace("output_mode='selected'", "--kernel-output selected")
         named = flag_message(msg, {"kv_budget": "--kv-budget"})
         if named == msg and "selection needs" in msg:
             named = f"--mode {args.mode}: {msg}"

@@ -12,6 +12,7 @@ import torch
 
 from herald.cli.common import (
     OFFLOAD_FLAGS,
+    add_first_pass,
     add_kv_pad,
     add_model_args,
     check_weights_memory,
@@ -128,6 +129,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "cpu): selected = attention over the selected rows (herald's default; reads K and only "
         "the selected V) or full = exact attention over the prefix (the paper's; mage's default)",
     )
+    add_first_pass(g)
     g.set_defaults(handler=cmd_generate)
     return g
 

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from herald.cli.common import (
+    add_first_pass,
     add_kv_pad,
     add_model_source_args,
     check_weights_memory,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from herald.models.config import ModelConfig
     from herald.server.defaults import FrontLimits
 
-_POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
+_POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens", "first_pass")
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -126,6 +127,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         default=D.max_prefill_tokens,
         help=engine_help("max_prefill_tokens").split(" None:")[0] + " (default: %(default)s)",
     )
+    add_first_pass(s)
     add_kv_pad(s)
     _add_front_args(s)
     s.set_defaults(handler=cmd_serve)

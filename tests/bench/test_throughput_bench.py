@@ -133,7 +133,16 @@ def test_cpu_pool_bound_is_recorded_as_dram(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["infinigen", "mage", "mage-cpu", "mage-cpu-rep", "herald", "herald-selected"]
+    "variant",
+    [
+        "infinigen",
+        "mage",
+        "mage-cpu",
+        "mage-cpu-rep",
+        "herald",
+        "herald-selected",
+        "herald-int8-gpu",
+    ],
 )
 def test_staging_estimate_bounds_what_the_engine_pins(tmp_path, monkeypatch, variant):
     # The DRAM check refuses a point whose pinned staging does not fit. It once charged every

@@ -24,6 +24,29 @@ from herald.cli import main
             ["generate", "--prompt", "x", "--mode", "infinigen", "--kernel-output", "selected"],
             "--kernel-output applies where the CPU kernel selects",
         ),
+        (
+            ["generate", "--prompt", "x", "--mode", "mage", "--first-pass", "int8-gpu"],
+            "--first-pass applies to --mode herald only, not --mode mage",
+        ),
+        (
+            [
+                "generate",
+                "--prompt",
+                "x",
+                "--mode",
+                "herald",
+                "--first-pass",
+                "int8-gpu",
+                "--kernel-output",
+                "full",
+            ],
+            "--first-pass 'int8-gpu' needs --kernel-output selected",
+        ),  # fmt: skip
+        (["generate", "--prompt", "x", "--first-pass", "int8"], "--first-pass needs an offloading"),
+        (
+            ["serve", "--device", "cpu", "--mode", "infinigen", "--first-pass", "int8-gpu"],
+            "--first-pass applies to --mode herald only",
+        ),
         (["generate", "--prompt", "x", "--threshold", "0"], "threshold"),
         (["generate", "--prompt", "x", "--max-prompt-tokens", "0"], "--max-prompt-tokens"),
         (["generate", "--prompt-file", "/definitely/not/here.py"], "No such file"),

@@ -190,3 +190,22 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
                     checked += 1
     eng.close()
     assert checked >= 4 and synced >= 4
+
+
+def test_generate_flag_reaches_the_engine(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``herald generate --first-pass int8-gpu``: the device scoring runs, and at budget 1.0
+    (every position selected) the tokens are dense's."""
+    import herald.offload.retrieval_device as rd
+    from herald.cli import main
+
+    calls = []
+    real = rd.select_int8
+    monkeypatch.setattr(rd, "select_int8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    base = ["generate", "--prompt", "def main():\n" * 20, "--max-new-tokens", "64", "--quiet"]
+    assert main([*base, "--mode", "dense", "--dtype", "bf16"]) == 0
+    dense = capsys.readouterr().out
+    argv = [*base, "--mode", "herald", "--kv-budget", "1.0", "--first-pass", "int8-gpu"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == dense and calls
