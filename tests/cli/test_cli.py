@@ -41,7 +41,7 @@ from herald.cli import main
                 "full",
             ],
             "--first-pass 'int8-gpu' needs --kernel-output selected",
-        ),  # fmt: skip
+        ),
         (["generate", "--prompt", "x", "--first-pass", "int8"], "--first-pass needs an offloading"),
         (
             ["serve", "--device", "cpu", "--mode", "infinigen", "--first-pass", "int8-gpu"],
