@@ -6,6 +6,7 @@ checkpoint's real KV.
     python -m herald.bench.compact capture --context 16384 --out /tmp/real_16384.pt
     python -m herald.bench.compact real /tmp/real_16384.pt --out results/compact/real_16384.json
     python -m herald.bench.compact exp --out results/compact/exp.json     # ~25 s per ISA
+    python -m herald.bench.compact device /tmp/real_16384.pt --out results/compact/device_16384.json
 
 ``synthetic``: N(0, 1) keys and queries scaled by ``--q-scales`` (LLaDA2.0-mini-like shapes: 4 KV
 heads, 4 query heads each, head_dim 128, pages of 32, one representative query, a 32-token tail,
@@ -19,7 +20,11 @@ offloaded layer and KV head, at the budget, the candidate fraction and the certi
 representative query (the block's centre [MASK] query) and for all B queries of the block; also
 what a non-exact variant trusting the normalisers' midpoints would have picked (its overlap with
 the exact top-k and the importance mass it keeps). ``exp``: the pass's exp bound over every
-float32 argument in [-104, 0], per ISA this CPU runs.
+float32 argument in [-104, 0], per ISA this CPU runs. ``device``: on a captured record, what
+``first_pass="int8-gpu"`` selects (:func:`herald.offload.selection.compact_device.select_int8`,
+the representative query, no tail) against the exact top-k: their overlap, the importance mass
+it keeps, and how much of the exact top-k its own top 1.5k / 2k hold (what an exact re-rank of
+that many candidates would need).
 """
 
 from __future__ import annotations
@@ -231,6 +236,43 @@ def cmd_real(cfg: argparse.Namespace) -> dict[str, Any]:
     return {"budget": cfg.budget, "prefix": rec["prefix"], "files": rec["files"], "items": rows}
 
 
+def cmd_device(cfg: argparse.Namespace) -> dict[str, Any]:
+    from herald.offload.selection.compact_device import DeviceCompactKeys, select_int8
+
+    rec = torch.load(cfg.record)
+    rows = []
+    for layer in sorted(rec["keys"]):
+        if layer < cfg.num_dense:
+            continue
+        keys, q = rec["keys"][layer], rec["queries"][layer]  # [Hkv, S, D], [B, Hq, D]
+        hkv, seq, d = keys.shape
+        k = math.ceil(cfg.budget * seq)
+        mid = q[q.shape[0] // 2][None]  # the block's centre [MASK] query
+        store = DeviceCompactKeys([layer], 1, hkv, seq, d, torch.device("cpu"))
+        store.write(layer, 0, 0, keys)
+        picks = {f: select_int8(mid, store, layer, 0, [seq], [min(seq, math.ceil(f * k))],
+                                keys[None, :, :0])[0]  # fmt: skip
+                 for f in (1.0, 1.5, 2.0)}  # fmt: skip
+        x = group_queries(mid, hkv, torch.float64)
+        imp = torch.softmax(x @ keys.double().transpose(1, 2) * d**-0.5, dim=-1).sum(1)
+        for h in range(hkv):
+            top = set(torch.topk(imp[h], k).indices.tolist())
+            got = picks[1.0][h].tolist()
+            row = {"layer": layer, "head": h, "k": k, "prefix": seq,
+                   "overlap": len(top & set(got)) / k,
+                   "mass": float(imp[h, got].sum() / imp[h, list(top)].sum())}  # fmt: skip
+            for f in (1.5, 2.0):
+                row[f"exact_in_top_{f:g}k"] = len(top & set(picks[f][h].tolist())) / k
+            rows.append(row)
+    summary = {
+        key: {"mean": statistics.mean(r[key] for r in rows), "min": min(r[key] for r in rows)}
+        for key in ("overlap", "mass", "exact_in_top_1.5k", "exact_in_top_2k")
+    }
+    print(summary)
+    return {"budget": cfg.budget, "prefix": rec["prefix"], "files": rec["files"],
+            "summary": summary, "items": rows}  # fmt: skip
+
+
 def _native_rows(
     rec: dict[str, Any], layer: int, keys: torch.Tensor, q: torch.Tensor, k: int, cfg: Any
 ) -> list[dict[str, Any]]:
@@ -285,15 +327,20 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("record", type=Path)
     real.add_argument("--budget", type=float, default=0.05)
     real.add_argument("--num-dense", type=int, default=2)
+    dev = sub.add_parser("device", help="first_pass='int8-gpu' against exact on a record")
+    dev.add_argument("record", type=Path)
+    dev.add_argument("--budget", type=float, default=0.05)
+    dev.add_argument("--num-dense", type=int, default=2)
     exp = sub.add_parser("exp", help="the pass's exp bound over every float argument")
     exp.add_argument("--stride", type=int, default=1)
-    for p in (syn, cap, real, exp):
+    for p in (syn, cap, real, dev, exp):
         p.add_argument("--out", type=Path, required=p is cap)
         p.add_argument("--threads", type=int, default=None)
     cfg = ap.parse_args(argv)
     cfg.threads = selection_threads(cfg.threads)
     t0 = time.perf_counter()
-    cmds = {"synthetic": cmd_synthetic, "capture": cmd_capture, "real": cmd_real, "exp": cmd_exp}
+    cmds = {"synthetic": cmd_synthetic, "capture": cmd_capture, "real": cmd_real,
+            "device": cmd_device, "exp": cmd_exp}  # fmt: skip
     run = cmds[cfg.cmd]
     result = run(cfg)
     payload = {

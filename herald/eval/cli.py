@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from herald.cliargs import add_list, deprecated_alias, list_of, token_count
-from herald.config import resolve_device
+from herald.config import FIRST_PASSES, resolve_device
 from herald.eval.cli_checks import check_args, check_resume, exclusions, model_info
 from herald.eval.recall import AnalysisConfig
 from herald.eval.runner import DEFAULT_BUDGETS, MODES, DecodeConfig, Unit, plan_units
@@ -187,6 +187,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="CPU kernel threads (default: every usable core, or $HERALD_SELECTION_THREADS)",
     )
     p.add_argument(
+        "--first-pass",
+        choices=list(FIRST_PASSES),
+        default="none",
+        help="the herald units' first pass (herald generate --first-pass): int8-gpu scores an "
+        "int8 copy of K on the model's device, approximate (default: %(default)s, exact)",
+    )
+    p.add_argument(
         "--analysis-examples",
         type=int,
         default=8,
@@ -254,6 +261,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         control_tokens=args.control_tokens,
         selection_threads=args.selection_threads,
+        first_pass=args.first_pass,
     )
     tcfg = TaskConfig(
         seed=args.seed,

@@ -189,7 +189,7 @@ def check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
                 diff += [
                     f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
                     for k in sorted(old[key].keys() | new[key].keys())
-                    if old[key].get(k) != new[key].get(k) and k not in skip
+                    if old[key].get(k) != new[key].get(k) and k not in skip and k in old[key]
                 ]
             else:
                 diff.append(f"{key}: {old[key]!r} -> {new[key]!r}")

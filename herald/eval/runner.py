@@ -70,6 +70,8 @@ class DecodeConfig:
     batch_size: int = 16
     control_tokens: int = 512
     selection_threads: int | None = None
+    first_pass: str = "none"
+    """``OffloadConfig.first_pass`` of the ``herald`` units (e.g. ``"int8-gpu"``)."""
 
     def answer_blocks(self, task: str) -> int:
         """Blocks decoded per example of ``task``."""
@@ -125,6 +127,7 @@ def make_engine(
     max_batch_size: int,
     max_seq_len: int,
     selection_threads: int | None = None,
+    first_pass: str = "none",
 ) -> Any:
     """A fresh engine for ``mode`` (``dense`` / ``control`` -> DenseEngine, eager; otherwise an
     OffloadEngine at ``budget``). The caller closes offloading engines (``close()``)."""
@@ -142,6 +145,8 @@ def make_engine(
     over: dict[str, Any] = {"kv_budget": budget}
     if selection_threads is not None:
         over["selection_threads"] = selection_threads
+    if mode == "herald" and first_pass != "none":
+        over["first_pass"] = first_pass
     offload = OffloadConfig.for_mode(mode, **over)
     ecfg = EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, offload=offload)
     return OffloadEngine(model, config, ecfg)
@@ -198,6 +203,7 @@ def run_unit(
         max_batch_size=min(dcfg.batch_size, len(prompts)),
         max_seq_len=max_len,
         selection_threads=dcfg.selection_threads,
+        first_pass=dcfg.first_pass,
     )
     try:
         reqs = generate(engine, prompts, params, desc=unit.key)

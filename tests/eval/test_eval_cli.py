@@ -44,12 +44,37 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert "3 already done" in capsys.readouterr().err
     assert main([*ARGS, "--out", str(out), "--line-setting", "cross_file_later"]) == 2
     assert "line_setting" in capsys.readouterr().err
+    assert main([*ARGS, "--out", str(out), "--first-pass", "int8-gpu"]) == 2
+    assert "first_pass" in capsys.readouterr().err
+    # a result written before a decode setting existed: that setting is not compared
+    path = out / "runs" / "line_256_dense.json"
+    rec = json.loads(path.read_text())
+    del rec["config"]["decode"]["first_pass"]
+    path.write_text(json.dumps(rec))
+    assert main([*ARGS, "--out", str(out), "--no-report"]) == 0
+    assert "3 already done" in capsys.readouterr().err
     assert res["not_run"] == []
     # A planned unit without a result (a time limit stopped the call) is named in the report.
     (out / "runs" / "line_256_herald_1.json").unlink()
     assert main(["eval", "--report", "--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["not_run"] == ["line_256_herald_1"]
     assert "Not run yet: 1 planned unit(s)" in (out / "README.md").read_text()
+
+
+def test_eval_first_pass_reaches_the_herald_units(tmp_path, monkeypatch):
+    """--first-pass int8-gpu: the herald units select on the device (at budget 1.0, as dense)."""
+    import herald.offload.retrieval_device as rd
+
+    calls = []
+    real = rd.select_int8
+    monkeypatch.setattr(rd, "select_int8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = tmp_path / "eval"
+    argv = [*ARGS, "--out", str(out), "--analysis-examples", "0", "--first-pass", "int8-gpu"]
+    assert main(argv) == 0 and calls
+    res = json.loads((out / "results.json").read_text())
+    assert res["units"]["line_256_herald_1"]["metrics"] == res["units"]["line_256_dense"]["metrics"]
+    rec = json.loads((out / "runs" / "line_256_herald_1.json").read_text())
+    assert rec["config"]["decode"]["first_pass"] == "int8-gpu"
 
 
 def test_eval_user_errors(tmp_path, capsys):

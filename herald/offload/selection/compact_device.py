@@ -111,8 +111,8 @@ def select_int8(
         keys: the int8 store; the ranked prefix of request ``i`` is its slot's positions
             ``[0, prefix_lens[i])``.
         num_selected: ``k_i <= prefix_lens[i]`` per request (0 selects nothing).
-        tail_k: ``[n, Hkv, T, D]`` the always-included tail's exact keys (attended, in every
-            softmax, never ranked).
+        tail_k: ``[n, Hkv, T >= 0, D]`` the always-included tail's exact keys (attended, in
+            every softmax, never ranked).
 
     Returns:
         ``[n, Hkv, max(1, max k_i)]`` int32 positions, ascending per (request, head), -1 past
@@ -159,10 +159,15 @@ def _select_chunk(
     pos = torch.arange(s_max, device=q.device)
     valid = (pos[None, :] < lens[:, None])[:, None, None, :]
     score = score.masked_fill(~valid, float("-inf"))
-    tail = torch.matmul(x, tail_k.float().transpose(-1, -2)) * scale  # [n, Hkv, G, T]
-    m = torch.maximum(score.amax(-1, keepdim=True), tail.amax(-1, keepdim=True))
+    m = score.amax(-1, keepdim=True)
+    tail = None
+    if tail_k.shape[2]:
+        tail = torch.matmul(x, tail_k.float().transpose(-1, -2)) * scale  # [n, Hkv, G, T]
+        m = torch.maximum(m, tail.amax(-1, keepdim=True))
     e = torch.exp(score - m)
-    z = e.sum(-1, keepdim=True) + torch.exp(tail - m).sum(-1, keepdim=True)
+    z = e.sum(-1, keepdim=True)
+    if tail is not None:
+        z = z + torch.exp(tail - m).sum(-1, keepdim=True)
     imp = (e / z).sum(2).masked_fill(~valid[:, :, 0], -1.0)  # [n, Hkv, S]
     top = torch.topk(imp, k, dim=-1, sorted=True).indices  # descending importance
     ks = torch.tensor(list(num_selected), device=q.device)
