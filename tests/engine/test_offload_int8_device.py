@@ -209,3 +209,55 @@ def test_generate_flag_reaches_the_engine(
     argv = [*base, "--mode", "herald", "--kv-budget", "1.0", "--first-pass", "int8-gpu"]
     assert main(argv) == 0
     assert capsys.readouterr().out == dense and calls
+
+
+_TRITON_CASES = """
+import torch
+from herald.offload.selection.compact_device import int8_scores, _int8_scores_triton
+g = torch.Generator().manual_seed(5)
+for n, hkv, gq, d, s_max, lens in [(3, 2, 4, 32, 150, [150, 0, 77]), (1, 1, 1, 16, 64, [1]),
+                                    (2, 4, 2, 128, 130, [129, 130])]:
+    x = torch.randn(n, hkv, gq, d, generator=g)
+    q8 = torch.randint(-127, 128, (n, hkv, s_max + 7, d), generator=g).to(torch.int8)
+    sc = torch.rand(n, hkv, s_max + 7, generator=g)
+    ln = torch.tensor(lens)
+    got = _int8_scores_triton(x, q8, sc, ln, s_max, d ** -0.5)
+    ref = x.double() @ q8[:, :, :s_max].double().transpose(-1, -2)
+    ref = ref * sc[:, :, None, :s_max].double() * d ** -0.5
+    live = (torch.arange(s_max)[None, :] < ln[:, None])[:, None, None, :].expand_as(ref)
+    assert torch.isinf(got[~live]).all() and (got[~live] < 0).all()
+    torch.testing.assert_close(got[live].double(), ref[live], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(int8_scores(x, q8, sc, ln, s_max, d ** -0.5), got)  # dispatch
+print("ok")
+"""
+
+
+def test_int8_score_kernel_in_the_triton_interpreter() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from herald.layers.moe_triton import triton_available
+
+    if not triton_available():
+        pytest.skip("Triton not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", _TRITON_CASES], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_int8_scores_torch_path_masks_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import herald.offload.selection.compact_device as cd
+
+    monkeypatch.setattr(cd, "CHUNK_BYTES", 1)  # one request per chunk
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2, 2, 16, generator=g)
+    q8 = torch.randint(-127, 128, (3, 2, 40, 16), generator=g).to(torch.int8)
+    sc = torch.rand(3, 2, 40, generator=g)
+    got = cd.int8_scores(x, q8, sc, torch.tensor([30, 0, 5]), 30, 0.25)
+    ref = (x @ q8[:, :, :30].float().transpose(-1, -2)) * sc[:, :, None, :30] * 0.25
+    assert torch.isinf(got[1]).all() and torch.isinf(got[2, :, :, 5:]).all()
+    torch.testing.assert_close(got[0], ref[0])
+    torch.testing.assert_close(got[2, :, :, :5], ref[2, :, :, :5])

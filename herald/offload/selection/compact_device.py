@@ -17,9 +17,10 @@ top-k and >= 0.99995 of its importance mass; the top 1.5k by int8 importance hol
 top-k. Budget 1.0 still selects every position (then nothing is approximate).
 
 Device memory: ``max_batch x max_len x Hkv x (D + 4)`` bytes per offloaded layer, allocated when
-the engine starts (:class:`DeviceCompactKeys`). Scoring converts int8 to float32 per chunk of
-requests (at most :data:`CHUNK_BYTES` of float32 keys at once) and multiplies the per-token scale
-after the dot product.
+the engine starts (:class:`DeviceCompactKeys`). The scores (:func:`int8_scores`) come from one
+Triton kernel on CUDA that reads each int8 key once (the per-token scale applied after the dot
+product); elsewhere from PyTorch, which converts the keys to float32 a chunk of requests at a
+time (at most :data:`CHUNK_BYTES`). The softmax, the importance and the top-k are PyTorch.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from collections.abc import Sequence
 import torch
 
 from herald.kv.compact_keys import quantize_keys
+from herald.layers.moe_triton import interpreting, triton_available, triton_enabled
 
 CHUNK_BYTES = 256 << 20
-"""Largest float32 copy of int8 keys the scoring holds at once (requests are scored in chunks)."""
+"""PyTorch path: the largest float32 copy of int8 keys held at once (requests in chunks)."""
+BLOCK_S = 64
+"""Triton path: positions per program."""
 
 
 class DeviceCompactKeys:
@@ -118,23 +122,14 @@ def select_int8(
         ``[n, Hkv, max(1, max k_i)]`` int32 positions, ascending per (request, head), -1 past
         ``k_i``. Ties in the int8 importance go either way (the rule is approximate anyway).
     """
-    n, hq, d = q.shape
-    hkv = tail_k.shape[1]
+    n, hkv = q.shape[0], tail_k.shape[1]
     kmax = max([1, *num_selected])
     out = torch.full((n, hkv, kmax), -1, dtype=torch.int32, device=q.device)
-    i = 0
-    while i < n:
-        j = i + 1
-        per = hkv * d * 4
-        while j < n and (j + 1 - i) * per * max(prefix_lens[i : j + 1]) <= CHUNK_BYTES:
-            j += 1
-        _select_chunk(q[i:j], keys, layer, slot0 + i, prefix_lens[i:j], num_selected[i:j],
-                      tail_k[i:j], out[i:j])  # fmt: skip
-        i = j
+    _select_into(q, keys, layer, slot0, prefix_lens, num_selected, tail_k, out)
     return out
 
 
-def _select_chunk(
+def _select_into(
     q: torch.Tensor,
     keys: DeviceCompactKeys,
     layer: int,
@@ -152,13 +147,11 @@ def _select_chunk(
         return
     x = q.float().reshape(n, hkv, -1, d)  # [n, Hkv, G, D]: KV head h's rows h*G .. h*G+G-1
     scale = d**-0.5
-    q8 = keys.q8[layer][slot0 : slot0 + n, :, :s_max].float()
-    sc = keys.scales[layer][slot0 : slot0 + n, :, :s_max]
-    score = torch.matmul(x, q8.transpose(-1, -2)) * (sc[:, :, None, :] * scale)  # [n,Hkv,G,S]
     lens = torch.tensor(list(prefix_lens), device=q.device)
-    pos = torch.arange(s_max, device=q.device)
-    valid = (pos[None, :] < lens[:, None])[:, None, None, :]
-    score = score.masked_fill(~valid, float("-inf"))
+    q8 = keys.q8[layer][slot0 : slot0 + n]
+    sc = keys.scales[layer][slot0 : slot0 + n]
+    score = int8_scores(x, q8, sc, lens, s_max, scale)  # [n, Hkv, G, S], -inf past a length
+    valid = (torch.arange(s_max, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
     m = score.amax(-1, keepdim=True)
     tail = None
     if tail_k.shape[2]:
@@ -174,6 +167,61 @@ def _select_chunk(
     keep = torch.arange(k, device=q.device)[None, None, :] < ks[:, None, None]
     top = torch.where(keep, top, s_max).sort(dim=-1).values  # kept ascending, then the pad
     out[:, :, :k] = torch.where(top < s_max, top, -1).to(torch.int32)
+
+
+def int8_scores(
+    x: torch.Tensor,
+    q8: torch.Tensor,
+    scales: torch.Tensor,
+    lens: torch.Tensor,
+    s_max: int,
+    scale: float,
+) -> torch.Tensor:
+    """``score[r, h, g, s] = (x[r, h, g] . q8[r, h, s]) * scales[r, h, s] * scale`` for ``s <
+    lens[r]``, -inf for ``lens[r] <= s < s_max``: ``[n, Hkv, G, s_max]`` float32.
+
+    ``x`` ``[n, Hkv, G, D]`` float32; ``q8`` ``[n, Hkv, >= s_max, D]`` int8 and ``scales`` ``[n,
+    Hkv, >= s_max]`` float32 (the store's rows), ``lens`` ``[n]`` on their device. On CUDA with
+    Triton (and in the Triton interpreter) one kernel reads the int8 keys once
+    (:mod:`herald.offload.selection._int8_score_kernel`); elsewhere PyTorch converts them to
+    float32 a chunk of requests at a time (:data:`CHUNK_BYTES`)."""
+    n, hkv, g, d = x.shape
+    if (x.is_cuda and triton_enabled()) or (interpreting() and triton_available()):
+        return _int8_scores_triton(x, q8, scales, lens, s_max, scale)
+    out = torch.empty(n, hkv, g, s_max, device=x.device)
+    per = hkv * s_max * d * 4
+    step = max(1, CHUNK_BYTES // max(per, 1))
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        k = q8[i:j, :, :s_max].float()
+        out[i:j] = torch.matmul(x[i:j], k.transpose(-1, -2)) * (
+            scales[i:j, :, None, :s_max] * scale
+        )
+    pos = torch.arange(s_max, device=x.device)
+    return out.masked_fill_((pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+
+
+def _int8_scores_triton(
+    x: torch.Tensor,
+    q8: torch.Tensor,
+    scales: torch.Tensor,
+    lens: torch.Tensor,
+    s_max: int,
+    scale: float,
+) -> torch.Tensor:
+    from herald.offload.selection import _int8_score_kernel as kern
+
+    n, hkv, g, d = x.shape
+    if q8.stride(3) != 1 or q8.stride(2) != d or scales.stride(2) != 1 or d & (d - 1):
+        raise ValueError(f"int8_scores: keys {tuple(q8.shape)} strides {q8.stride()}, D {d}")
+    out = torch.empty(n, hkv, g, s_max, device=x.device)
+    grid = (n * hkv, -(-s_max // BLOCK_S))
+    kern.int8_scores[grid](
+        x.contiguous(), q8, scales, lens.to(torch.int32), out, s_max,
+        q8.stride(0), q8.stride(1), scales.stride(0), scales.stride(1), scale,
+        HKV=hkv, G=g, D=d, BLOCK_S=BLOCK_S, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def attend_selected_and_tail(
