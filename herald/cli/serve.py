@@ -210,7 +210,8 @@ def _check_kv_memory(
     by default every slot at ``--max-seq-len``; ``--cpu-kv-gb`` is checked with the other pool
     flags) and, on the CPU device, the dense engine's KV store. ``--max-seq-len`` counts as the
     server will serve it: capped at the model's context unless HERALD_ALLOW_LONG_CONTEXT is set.
-    Returns the GiB of that KV which shares the weights' memory (on the CPU device), for
+    Returns the GiB of that KV which shares the weights' memory (on the CPU device; with
+    ``--first-pass int8-gpu`` also its int8 copy of K, on any device), for
     :func:`~herald.cli.common.check_weights_memory`; a lower bound either way (the engine's
     buffers come on top)."""
     import torch
@@ -227,9 +228,16 @@ def _check_kv_memory(
         f" (served as {seq}, the model's context)" if seq != args.max_seq_len else ""
     )
     slots = f"--max-batch-size {args.max_batch_size} x {seq_flag}"
+    on_device = 0.0  # --first-pass int8-gpu: the int8 copy of K, beside the weights
+    if offload is not None and offload.first_pass == "int8-gpu":
+        from herald.offload.selection.compact_device import store_bytes
+
+        offloaded = max(cfg.num_layers - offload.num_dense_layers, 0)
+        dims = (offloaded, args.max_batch_size, cfg.num_kv_heads, seq, cfg.head_dim)
+        on_device = store_bytes(*dims) / 2**30
     if offload is not None:
         if offload.cpu_kv_gb is not None:
-            return 0.0
+            return on_device
         layers = max(cfg.num_layers - offload.num_dense_layers, 0)
         if offload.cpu_kv_tokens is not None:
             tokens, flags = offload.cpu_kv_tokens, f"--cpu-kv-tokens {offload.cpu_kv_tokens}"
@@ -248,7 +256,7 @@ def _check_kv_memory(
             f"{what} {flags} tokens needs {need:,.1f} GiB, more than this machine's available "
             f"memory ({memory[0]:.1f} GiB of {memory[1]:.1f} GiB): give fewer tokens"
         )
-    return need if device.type == "cpu" else 0.0
+    return (need if device.type == "cpu" else 0.0) + on_device
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

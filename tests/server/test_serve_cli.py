@@ -251,3 +251,31 @@ def test_the_kv_check_counts_max_seq_len_as_served(monkeypatch):
         monkeypatch.delenv("HERALD_ALLOW_LONG_CONTEXT")
         settings.cache_clear()
     assert _check_kv_memory(args, cfg, torch.device("cuda"), None, torch.float32) == 0.0
+
+
+def test_the_memory_check_counts_the_int8_gpu_copy_of_k(monkeypatch):
+    """``--first-pass int8-gpu``: its int8 copy of K (D + 4 bytes per offloaded layer, slot, KV
+    head and token) goes beside the weights, on the GPU as on the CPU."""
+    import argparse
+
+    from herald import cliargs
+    from herald.cli.serve import _check_kv_memory
+    from herald.config import OffloadConfig
+    from herald.models.loader import load_config
+
+    cfg = load_config("code-sdar")
+    monkeypatch.setattr(cliargs, "memory_gib", lambda: (64.0, 64.0))
+    args = argparse.Namespace(max_batch_size=4, max_seq_len=1024)
+    layers = cfg.num_layers - 2
+    copy = layers * 4 * cfg.num_kv_heads * 1024 * (cfg.head_dim + 4) / 2**30
+    for gb in (None, 1.0):
+        plain = OffloadConfig.for_mode("herald", cpu_kv_gb=gb)
+        int8 = OffloadConfig.for_mode("herald", cpu_kv_gb=gb, first_pass="int8-gpu")
+        cuda = torch.device("cuda")
+        assert _check_kv_memory(args, cfg, cuda, plain, torch.bfloat16) == 0.0
+        assert _check_kv_memory(args, cfg, cuda, int8, torch.bfloat16) == pytest.approx(copy)
+        cpu = torch.device("cpu")
+        extra = _check_kv_memory(args, cfg, cpu, int8, torch.bfloat16)
+        assert extra - _check_kv_memory(args, cfg, cpu, plain, torch.bfloat16) == pytest.approx(
+            copy
+        )

@@ -38,6 +38,11 @@ BLOCK_S = 64
 """Triton path: positions per program."""
 
 
+def store_bytes(layers: int, slots: int, num_kv_heads: int, max_len: int, head_dim: int) -> int:
+    """Device bytes of :class:`DeviceCompactKeys`: ``D + 4`` per (layer, slot, KV head, token)."""
+    return layers * slots * num_kv_heads * max_len * (head_dim + 4)
+
+
 class DeviceCompactKeys:
     """int8 keys and float32 scales of every running request, per offloaded layer, in slot order
     on the model's device (zeros until written).
@@ -62,7 +67,7 @@ class DeviceCompactKeys:
                    for i in self.layers}  # fmt: skip
         self.scales = {i: torch.zeros(shape, dtype=torch.float32, device=device)
                        for i in self.layers}  # fmt: skip
-        self.nbytes = sum(t.nbytes for t in (*self.q8.values(), *self.scales.values()))
+        self.nbytes = store_bytes(len(self.layers), slots, num_kv_heads, max_len, head_dim)
 
     def write(self, layer: int, slot: int, start: int, keys: torch.Tensor) -> None:
         """Keys ``[Hkv, n, D]`` (any float dtype, same device) of positions ``[start, start +
