@@ -62,11 +62,12 @@ class DeviceCompactKeys:
         device: torch.device,
     ) -> None:
         self.layers = list(layers)
-        shape = (slots, num_kv_heads, max_len)
-        self.q8 = {i: torch.zeros((*shape, head_dim), dtype=torch.int8, device=device)
-                   for i in self.layers}  # fmt: skip
-        self.scales = {i: torch.zeros(shape, dtype=torch.float32, device=device)
-                       for i in self.layers}  # fmt: skip
+        shape = (len(self.layers), slots, num_kv_heads, max_len)
+        self.q8_all = torch.zeros((*shape, head_dim), dtype=torch.int8, device=device)
+        self.scales_all = torch.zeros(shape, dtype=torch.float32, device=device)
+        # per layer id: views of the one tensor (a commit writes every layer in one kernel)
+        self.q8 = {layer: self.q8_all[li] for li, layer in enumerate(self.layers)}
+        self.scales = {layer: self.scales_all[li] for li, layer in enumerate(self.layers)}
         self.nbytes = store_bytes(len(self.layers), slots, num_kv_heads, max_len, head_dim)
 
     def write(self, layer: int, slot: int, start: int, keys: torch.Tensor) -> None:
@@ -79,13 +80,16 @@ class DeviceCompactKeys:
 
     def write_blocks(self, blocks_k: torch.Tensor, starts: Sequence[int]) -> None:
         """One committed block per slot ``0..n-1``: ``blocks_k`` ``[L', n, Hkv, B, D]`` (the
-        offloaded layers in order), slot ``i``'s block at positions ``[starts[i], + B)``."""
+        offloaded layers in order), slot ``i``'s block at positions ``[starts[i], + B)``: one
+        scatter per tensor for every layer and slot."""
         q8, s = quantize_keys(blocks_k)
-        b = blocks_k.shape[3]
-        for li, layer in enumerate(self.layers):
-            for i, st in enumerate(starts):
-                self.q8[layer][i, :, st : st + b] = q8[li, i]
-                self.scales[layer][i, :, st : st + b] = s[li, i]
+        n, b = blocks_k.shape[1], blocks_k.shape[3]
+        dev = blocks_k.device
+        rows = torch.arange(n, device=dev).repeat_interleave(b)  # slot of each written token
+        cols = small_tensor([st + j for st in starts for j in range(b)], dev)  # its position
+        # (indices on two dims apart: the indexed result is [n * B, L', Hkv, ...], tokens first)
+        self.q8_all[:, rows, :, cols] = q8.permute(1, 3, 0, 2, 4).reshape(n * b, *q8.shape[::2])
+        self.scales_all[:, rows, :, cols] = s.permute(1, 3, 0, 2).reshape(n * b, *s.shape[::2])
 
     def fill_random(self, slot: int, num_tokens: int) -> None:
         """Random keys for a synthetic prefill (benchmarks: the scoring's cost, not its choices),
@@ -99,9 +103,17 @@ class DeviceCompactKeys:
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Slot compaction: slot ``src``'s first ``length`` positions -> slot ``dst``."""
-        for layer in self.layers:
-            self.q8[layer][dst, :, :length] = self.q8[layer][src, :, :length]
-            self.scales[layer][dst, :, :length] = self.scales[layer][src, :, :length]
+        self.q8_all[:, dst, :, :length] = self.q8_all[:, src, :, :length]
+        self.scales_all[:, dst, :, :length] = self.scales_all[:, src, :, :length]
+
+
+def small_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A few ints on ``device`` without stalling the host: on CUDA through pinned memory, copied
+    asynchronously (the pinned allocator keeps the host buffer until the copy has run)."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def select_int8(
@@ -152,7 +164,7 @@ def _select_into(
         return
     x = q.float().reshape(n, hkv, -1, d)  # [n, Hkv, G, D]: KV head h's rows h*G .. h*G+G-1
     scale = d**-0.5
-    lens = torch.tensor(list(prefix_lens), device=q.device)
+    lens = small_tensor(prefix_lens, q.device)
     q8 = keys.q8[layer][slot0 : slot0 + n]
     sc = keys.scales[layer][slot0 : slot0 + n]
     score = int8_scores(x, q8, sc, lens, s_max, scale)  # [n, Hkv, G, S], -inf past a length
@@ -168,7 +180,7 @@ def _select_into(
         z = z + torch.exp(tail - m).sum(-1, keepdim=True)
     imp = (e / z).sum(2).masked_fill(~valid[:, :, 0], -1.0)  # [n, Hkv, S]
     top = torch.topk(imp, k, dim=-1, sorted=True).indices  # descending importance
-    ks = torch.tensor(list(num_selected), device=q.device)
+    ks = small_tensor(num_selected, q.device)
     keep = torch.arange(k, device=q.device)[None, None, :] < ks[:, None, None]
     top = torch.where(keep, top, s_max).sort(dim=-1).values  # kept ascending, then the pad
     out[:, :, :k] = torch.where(top < s_max, top, -1).to(torch.int32)
