@@ -15,6 +15,7 @@ Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -66,10 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NEGATIVE = re.compile(r"^-\d+(\.\d+)?[KkMm]?$|^-\d*\.\d+$")
+
+
 def _mark_leaves(parser: argparse.ArgumentParser) -> None:
     """Give every (sub)command's parser itself as the ``_parser`` default, so an unknown option
-    is reported with that command's usage, not the top level's."""
+    is reported with that command's usage, not the top level's; and let negative token counts
+    with a suffix parse as values."""
     parser.set_defaults(_parser=parser)
+    # "-4K" is a (refused) negative count, not an option: argparse's own test knows only plain
+    # numbers, so "--max-seq-len -4K" said "expected one argument" (no option looks like this)
+    if hasattr(parser, "_negative_number_matcher"):
+        parser._negative_number_matcher = _NEGATIVE
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser

@@ -75,6 +75,9 @@ from herald.cli import main
         (["generate", "--prompt", "x", "--kv-pad", "10000000"], "--kv-pad must be an integer in"),
         (["generate", "--prompt", "x", "--kv-pad", "99999999999999999999"], "[0, 65536]"),
         (["generate", "--prompt", "x", "--kv-pad", "-1"], "--kv-pad"),
+        # a negative count with a suffix is a value (refused), not an option
+        (["generate", "--prompt", "x", "--max-new-tokens", "-1K"], "must be > 0, got -1024"),
+        (["serve", "--device", "cpu", "--max-seq-len", "-4K"], "must be >= 1, got -4096"),
         # --mode dense refuses the offloading flags, naming those given
         (
             ["generate", "--prompt", "x", "--kv-budget", "7", "--cpu-kv-gb", "-3"],
