@@ -120,7 +120,7 @@ PAPER_FIG13 = {
     K16: {"mage": 739, "mage-cpu": 755, "mage-cpu-rep": 2630, "herald": 3385},
     K32: {"mage": 396, "mage-cpu": 382, "mage-cpu-rep": 1699, "herald": 2665},
 }
-FIG13_RUNGS = ("mage", "mage-cpu", "mage-cpu-rep", "herald", "herald-selected")
+FIG13_RUNGS = ("mage", "mage-cpu", "mage-cpu-rep", "herald", "herald-selected", "herald-int8-gpu")
 FIG14_STEPS = (8, 12, 16, 20, 24, 32)
 FIG14_DEFAULT_BATCH = {(K16, "dense"): 32, (K32, "dense"): 16, (K16, "herald"): 160,
                        (K32, "herald"): 80}  # fmt: skip  # the paper's; used if no T=20 peak
