@@ -350,7 +350,7 @@ class OffloadEngine(Engine):
         if draft_kv is not None and not all(map(self._last_block, self.batch.requests)):
             self.policy.on_draft(draft_kv)
         self._block_step += 1
-        if not bool(self.batch.masked.any()) and not (s == 0 and drafts and self._needs_next()):
+        if not self.batch.any_masked() and not (s == 0 and drafts and self._needs_next()):
             # NOTE: a drafting policy always gets its fused draft step, even when step 0 left no
             # mask in any row: a row's next selection must not depend on whether its batch mates
             # still had masks (alone it would otherwise select from its committed block, next to
