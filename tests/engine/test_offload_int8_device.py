@@ -178,14 +178,15 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
             for layer, (q, idx) in job.recorded.items():
                 pl = layer - eng.num_dense
                 for r, pre in enumerate(job.prefix_lens):
-                    npg = pre // b + 1  # the prefix's pages, then the tail's
+                    npg = pre // b  # the prefix's pages; the tail from the job (device)
                     pg = job.page_table[r, :npg].long()
                     kk = pool.k_pages(pl)[pg].transpose(0, 1).reshape(hkv, npg * b, -1)
+                    tail = job.tail_kv[store.layers.index(layer), 0, r].cpu()  # [Hkv, B, D]
                     k_sel = job.num_selected[r]
                     gq = q.shape[2] // hkv
                     for h in range(hkv):
                         x = q[r, 0, h * gq : (h + 1) * gq]
-                        imp = _int8_importance(x, kk[h, :pre], kk[h, pre:])
+                        imp = _int8_importance(x, kk[h], tail[h])
                         _check_topk(idx[r, h], imp, k_sel)
                     checked += 1
     eng.close()

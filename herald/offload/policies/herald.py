@@ -108,8 +108,9 @@ class HeraldPolicy(SelectionPolicy):
         reqs, starts = core.batch.requests, core.batch.starts()
         draft = draft_kv is not None
         if draft_kv is not None:
-            scratch = [core.kv.pages(r.request_id)[-1] for r in reqs]
-            core.handoff.to_cpu(draft_kv, scratch)
+            if self.keys is None:  # (scored on the device, the tail is read from draft_kv)
+                scratch = [core.kv.pages(r.request_id)[-1] for r in reqs]
+                core.handoff.to_cpu(draft_kv, scratch)
             tails = None  # the scratch page
         else:
             tails = [
