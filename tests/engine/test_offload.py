@@ -84,13 +84,18 @@ def test_budget_one_equals_dense(setup, mode):
     assert eng.cpu_pool.num_used_pages == 0  # every page came back
 
 
+@pytest.mark.parametrize("first_pass", ["none", "int8-gpu"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_random_retrieval_delays_do_not_change_output(device):
-    """On CUDA this also races the retrieval stream, its copy stream and the main stream."""
+def test_random_retrieval_delays_do_not_change_output(device, first_pass):
+    """On CUDA this also races the retrieval stream, its copy stream and the main stream (with
+    int8-gpu: the device scoring, the fetch from device positions, the tail read from the
+    draft)."""
     model, config = _model("tiny-sdar", device)
     prompts = _prompts(config, [90, 33, 64, 5], seed=4)
     params = SamplingParams(max_new_tokens=160, num_denoise_steps=6, ignore_eos=True)
-    cfg = OffloadConfig.for_mode("herald", kv_budget=0.3, selection_threads=2)
+    cfg = OffloadConfig.for_mode(
+        "herald", kv_budget=0.3, selection_threads=2, first_pass=first_pass
+    )
     outs = []
     for faults in (None, FaultInjection(max_delay=0.004, seed=3)):
         hooks = EngineHooks(faults=faults)
@@ -232,15 +237,14 @@ def test_infinigen_selects_from_proxy_and_reuses():
     assert eng.cpu_pool.num_used_pages == 0
 
 
-def test_poisoned_staging_never_reaches_the_pool(setup):
+@pytest.mark.parametrize("mode", ["herald", "herald-int8-gpu"])
+def test_poisoned_staging_never_reaches_the_pool(setup, mode):
     """Rows of the pinned staging past a request's k must never be copied into the sparse pool:
     masked pool rows still meet a zero probability and 0 * NaN = NaN. Regression test for a
     flaky non-finite score with mixed prompt lengths (uninitialised staging memory)."""
     model, config, prompts, params, ref = setup
     hooks = EngineHooks(faults=FaultInjection(poison_staging=True))
-    eng = make_engine(
-        model, config, MODES["herald"], hooks=hooks, max_batch_size=3, max_seq_len=256
-    )
+    eng = make_engine(model, config, MODES[mode], hooks=hooks, max_batch_size=3, max_seq_len=256)
     try:
         got = [r.output_ids for r in eng.generate(prompts, params)]
     finally:
