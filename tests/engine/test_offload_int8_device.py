@@ -156,20 +156,31 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
     )  # fmt: skip
     for p in prompts:
         eng.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True))
-    pool, b, hkv = eng.cpu_pool, config.block_size, config.num_kv_heads
+    pool, hkv = eng.cpu_pool, config.num_kv_heads
     store = eng.policy.keys  # type: ignore[attr-defined]
     assert isinstance(store, DeviceCompactKeys) and pool.compact is None
+    try:
+        checked, synced = _check_engine(eng, recorder, store, hkv, config.head_dim, device)
+    finally:
+        eng.close()  # (a failed check must not leave the pool's pinned pages registered)
+    assert checked >= 4 and synced >= 4
+
+
+def _check_engine(eng, recorder, store, hkv: int, head_dim: int, device: str) -> tuple[int, int]:
+    pool, b = eng.cpu_pool, eng.block_size
     checked, seen, synced = 0, set(), 0
     while eng.has_unfinished():
         eng.step()
         for i, (req, st) in enumerate(zip(eng.batch.requests, eng.batch.starts(), strict=True)):
             pages = torch.tensor(pool.pages(req.request_id)[: st // b], dtype=torch.long)
             k = pool.storage[:, 0, pages].transpose(1, 2)  # [L', Hkv, pages, B, D]
-            k = k.reshape(k.shape[0], hkv, -1, config.head_dim)
-            q8, s = quantize_keys(k)
+            k = k.reshape(k.shape[0], hkv, -1, head_dim)
+            # quantized where the copy is (CUDA divides by a scalar as a product with its
+            # reciprocal: last-bit differences from the CPU's quotient)
+            q8, s = quantize_keys(k.to(device))
             for li, layer in enumerate(store.layers):  # positions [0, block start)
-                assert torch.equal(store.q8[layer][i, :, :st].cpu(), q8[li])
-                assert torch.equal(store.scales[layer][i, :, :st].cpu(), s[li])
+                assert torch.equal(store.q8[layer][i, :, :st], q8[li])
+                assert torch.equal(store.scales[layer][i, :, :st], s[li])
             synced += 1
         for job in recorder.jobs:
             if id(job) in seen or not job.done.is_set():
@@ -189,8 +200,7 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
                         imp = _int8_importance(x, kk[h], tail[h])
                         _check_topk(idx[r, h], imp, k_sel)
                     checked += 1
-    eng.close()
-    assert checked >= 4 and synced >= 4
+    return checked, synced
 
 
 def test_generate_flag_reaches_the_engine(
