@@ -40,6 +40,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--analysis-examples must be >= 0 (0 = off), got {n}")
     if args.time_limit is not None and not args.time_limit > 0:
         raise ValueError(f"--time-limit-s must be > 0 seconds, got {args.time_limit}")
+    if args.first_pass != "none" and "herald" not in args.modes:
+        raise ValueError(
+            f"--first-pass {args.first_pass} applies to the herald units and --modes "
+            f"{' '.join(args.modes)} runs none; add herald to --modes or drop --first-pass"
+        )
     if args.budgets is None:
         args.budgets = list(DEFAULT_BUDGETS)
     elif not set(args.modes) & set(OFFLOAD_MODES):
@@ -156,10 +161,17 @@ ANSWER_BLOCK_KEYS = ("line_blocks", "recall_blocks", "ruler_blocks")
 """The decode settings of each task's answer length: the others' do not change a unit."""
 
 
-def other_decode_keys(task: str) -> tuple[str, ...]:
-    """The answer-length settings of the other tasks (not compared on resume)."""
-    own = {"line": "line_blocks", "recall": "recall_blocks"}.get(task, "ruler_blocks")
-    return tuple(k for k in ANSWER_BLOCK_KEYS if k != own)
+DECODE_DEFAULTS = {"first_pass": "none"}
+"""Decode settings added after results were first written: an older result without one ran
+with this value."""
+
+
+def other_decode_keys(unit: Unit) -> tuple[str, ...]:
+    """The decode settings that do not change ``unit`` (not compared on resume): the other
+    tasks' answer lengths, and the first pass outside the herald units."""
+    own = {"line": "line_blocks", "recall": "recall_blocks"}.get(unit.task, "ruler_blocks")
+    skip = tuple(k for k in ANSWER_BLOCK_KEYS if k != own)
+    return skip if unit.mode == "herald" else (*skip, "first_pass")
 
 
 def check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
@@ -185,11 +197,12 @@ def check_resume(runs: Path, units: list[Unit], config: dict[str, Any]) -> None:
                 if key == "tasks":
                     skip = OTHER_TASK_KEYS.get(u.task, ())
                 elif key == "decode":
-                    skip = other_decode_keys(u.task)
+                    skip = other_decode_keys(u)
+                was = {**DECODE_DEFAULTS, **old[key]} if key == "decode" else old[key]
                 diff += [
-                    f"{key}.{k}: {old[key].get(k)!r} -> {new[key].get(k)!r}"
-                    for k in sorted(old[key].keys() | new[key].keys())
-                    if old[key].get(k) != new[key].get(k) and k not in skip and k in old[key]
+                    f"{key}.{k}: {was.get(k)!r} -> {new[key].get(k)!r}"
+                    for k in sorted(was.keys() | new[key].keys())
+                    if was.get(k) != new[key].get(k) and k not in skip and k in was
                 ]
             else:
                 diff.append(f"{key}: {old[key]!r} -> {new[key]!r}")

@@ -45,14 +45,21 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert main([*ARGS, "--out", str(out), "--line-setting", "cross_file_later"]) == 2
     assert "line_setting" in capsys.readouterr().err
     assert main([*ARGS, "--out", str(out), "--first-pass", "int8-gpu"]) == 2
-    assert "first_pass" in capsys.readouterr().err
-    # a result written before a decode setting existed: that setting is not compared
-    path = out / "runs" / "line_256_dense.json"
-    rec = json.loads(path.read_text())
-    del rec["config"]["decode"]["first_pass"]
-    path.write_text(json.dumps(rec))
+    err = capsys.readouterr().err
+    assert "line_256_herald_1.json" in err and "first_pass" in err
+    # a result written before the first pass was a setting ran the exact one ("none")
+    for unit in ("line_256_dense", "line_256_herald_1"):
+        path = out / "runs" / f"{unit}.json"
+        rec = json.loads(path.read_text())
+        del rec["config"]["decode"]["first_pass"]
+        path.write_text(json.dumps(rec))
     assert main([*ARGS, "--out", str(out), "--no-report"]) == 0
     assert "3 already done" in capsys.readouterr().err
+    assert main([*ARGS, "--out", str(out), "--first-pass", "int8-gpu"]) == 2
+    assert "decode.first_pass: 'none' -> 'int8-gpu'" in capsys.readouterr().err
+    # the first pass changes only the herald units: a dense-only run resumes
+    dense_only = [a for a in ARGS if a not in ("herald", "--kv-budget", "1.0")]
+    assert main([*dense_only, "--out", str(out), "--no-report", "--first-pass", "none"]) == 0
     assert res["not_run"] == []
     # A planned unit without a result (a time limit stopped the call) is named in the report.
     (out / "runs" / "line_256_herald_1.json").unlink()
@@ -80,6 +87,9 @@ def test_eval_first_pass_reaches_the_herald_units(tmp_path, monkeypatch):
 def test_eval_user_errors(tmp_path, capsys):
     assert main(["eval", "--out", str(tmp_path), "--kv-budget", "0"]) == 2
     assert "--kv-budget" in capsys.readouterr().err
+    assert main(["eval", "--out", str(tmp_path), "--modes", "dense", "mage",
+                 "--first-pass", "int8-gpu"]) == 2  # fmt: skip
+    assert "--first-pass int8-gpu applies to the herald units" in capsys.readouterr().err
     assert (
         main(["eval", "--out", str(tmp_path), "--contexts", "1024", "--control-tokens", "64"]) == 2
     )
