@@ -239,6 +239,10 @@ for n, hkv, gq, d, s_max, lens in [(3, 2, 4, 32, 150, [150, 0, 77]), (1, 1, 1, 1
     assert torch.isinf(got[~live]).all() and (got[~live] < 0).all()
     torch.testing.assert_close(got[live].double(), ref[live], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(int8_scores(x, q8, sc, ln, s_max, d ** -0.5), got)  # dispatch
+# a head_dim that is no power of two takes the PyTorch path
+x, q8, sc = torch.randn(1, 1, 2, 48), torch.ones(1, 1, 9, 48, dtype=torch.int8), torch.ones(1, 1, 9)
+got = int8_scores(x, q8, sc, torch.tensor([9]), 9, 1.0)
+torch.testing.assert_close(got, x.sum(-1, keepdim=True).expand(1, 1, 2, 9))
 print("ok")
 """
 

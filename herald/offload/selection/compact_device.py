@@ -199,11 +199,12 @@ def int8_scores(
 
     ``x`` ``[n, Hkv, G, D]`` float32; ``q8`` ``[n, Hkv, >= s_max, D]`` int8 and ``scales`` ``[n,
     Hkv, >= s_max]`` float32 (the store's rows), ``lens`` ``[n]`` on their device. On CUDA with
-    Triton (and in the Triton interpreter) one kernel reads the int8 keys once
-    (:mod:`herald.offload.selection._int8_score_kernel`); elsewhere PyTorch converts them to
-    float32 a chunk of requests at a time (:data:`CHUNK_BYTES`)."""
+    Triton (and in the Triton interpreter), for a power-of-two head_dim, one kernel reads the int8
+    keys once (:mod:`herald.offload.selection._int8_score_kernel`); elsewhere PyTorch converts
+    them to float32 a chunk of requests at a time (:data:`CHUNK_BYTES`)."""
     n, hkv, g, d = x.shape
-    if (x.is_cuda and triton_enabled()) or (interpreting() and triton_available()):
+    fits = d & (d - 1) == 0 and q8.stride(3) == 1 and q8.stride(2) == d and scales.stride(2) == 1
+    if fits and ((x.is_cuda and triton_enabled()) or (interpreting() and triton_available())):
         return _int8_scores_triton(x, q8, scales, lens, s_max, scale)
     out = torch.empty(n, hkv, g, s_max, device=x.device)
     per = hkv * s_max * d * 4
