@@ -119,7 +119,7 @@ class OffloadEngine(Engine):
         )
         try:
             self.policy = make_policy(self)
-            kv.add_store(self.policy)
+            kv.add_store(self.policy, self.policy.device_bytes())
         except BaseException:
             self.handoff.close()
             if self._owns_cpu_pool:
@@ -173,7 +173,8 @@ class OffloadEngine(Engine):
         return self.kv.pages_needed(prompt_len, max_new_tokens)
 
     def describe(self) -> str:
-        return f"{super().describe()}; {self.cpu_pool.describe()}"
+        extra = self.policy.describe()
+        return f"{super().describe()}; {self.cpu_pool.describe()}" + (f"; {extra}" if extra else "")
 
     def pinned_staging(self) -> list[PinnedStaging]:
         """Every pinned staging buffer of this engine and its policy (the CPU pool not

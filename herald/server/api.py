@@ -154,6 +154,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
                 "mode": state.mode,
                 "kv_budget": state.kv_budget,
                 "block_size": state.engine_loop.engine.config.block_size,
+                **({"first_pass": state.first_pass} if state.first_pass is not None else {}),
             },
         }
 

@@ -51,6 +51,12 @@ class ServerState:
         return self.engine_loop.engine.kv_budget
 
     @property
+    def first_pass(self) -> str | None:
+        """The herald mode's ``OffloadConfig.first_pass``; None in the other modes."""
+        off = self.engine_loop.engine.engine_config.offload
+        return off.first_pass if off is not None and off.mode == "herald" else None
+
+    @property
     def max_prompts(self) -> int | None:
         """Most prompts one request may queue at once (the slots plus the waiting queue), or
         None when the waiting queue is unbounded."""

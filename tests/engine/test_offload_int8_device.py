@@ -159,6 +159,9 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
     pool, hkv = eng.cpu_pool, config.num_kv_heads
     store = eng.policy.keys  # type: ignore[attr-defined]
     assert isinstance(store, DeviceCompactKeys) and pool.compact is None
+    # its bytes count in the engine's KV usage and its start-up line names it
+    assert eng.usage().gpu_kv_bytes == eng.pool.num_bytes + eng.dense.num_bytes + store.nbytes
+    assert "first pass int8-gpu: int8 copy of K" in eng.describe()
     try:
         checked, synced = _check_engine(eng, recorder, store, hkv, config.head_dim, device)
     finally:

@@ -287,7 +287,7 @@ def test_bad_inputs_while_a_good_request_completes(
         good["prompt"], _params(good)
     )
     models = httpx.get(f"{herald_server.url}/v1/models").json()["data"][0]["herald"]
-    assert models == {"mode": "herald", "kv_budget": 1.0, "block_size": 32}
+    assert models == {"mode": "herald", "kv_budget": 1.0, "block_size": 32, "first_pass": "none"}
 
 
 def test_page_count_is_the_canvas_in_blocks_plus_one(herald_server: LiveServer) -> None:

@@ -80,6 +80,14 @@ class SelectionPolicy:
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Slot compaction (the KV manager): move the policy's per-slot state."""
 
+    def device_bytes(self) -> int:
+        """Bytes the policy holds on the model device (counted in the engine's KV usage)."""
+        return 0
+
+    def describe(self) -> str:
+        """What the policy keeps beyond the pools, for the engine's start-up line ("" if none)."""
+        return ""
+
     def pinned_staging(self) -> list[PinnedStaging]:
         """The pinned staging buffers the policy owns."""
         return []

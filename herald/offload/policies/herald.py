@@ -61,6 +61,15 @@ class HeraldPolicy(SelectionPolicy):
             device_keys=self.keys,
         )
 
+    def device_bytes(self) -> int:
+        return self.keys.nbytes if self.keys is not None else 0
+
+    def describe(self) -> str:
+        if self.keys is None:
+            return ""
+        gib = self.keys.nbytes / 2**30
+        return f"first pass int8-gpu: int8 copy of K on {self.core.device}, {gib:.2f} GiB"
+
     def on_draft(self, draft_kv: torch.Tensor) -> None:
         self._start(draft_kv)
 

@@ -42,6 +42,13 @@ class InfiniGenPolicy(SelectionPolicy):
                 device=core.device, dtype=core.dtype,
             )  # fmt: skip
 
+    def device_bytes(self) -> int:
+        return sum(t.nbytes for t in self.partial_k.values())
+
+    def describe(self) -> str:
+        gib = self.device_bytes() / 2**30
+        return f"proxy keys on {self.core.device}: {gib:.2f} GiB"
+
     def step0_attention(self) -> AttentionBackend:
         return _Step0(self)
 
