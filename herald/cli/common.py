@@ -199,7 +199,12 @@ def weights_gib(config: Any, dtype: torch.dtype) -> float:
 
 
 def check_weights_memory(
-    model: str, config: Any, device: torch.device, dtype: torch.dtype, kv_gib: float = 0.0
+    model: str,
+    config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_gib: float = 0.0,
+    kv_what: str = "KV",
 ) -> float:
     """ValueError, before the model loads, when its weights (plus ``kv_gib`` of KV that goes to
     the same memory) cannot fit where they go: this machine's available memory on the CPU, the
@@ -219,13 +224,19 @@ def check_weights_memory(
     else:
         mem = None
     if mem is not None and need + kv_gib > mem[0]:
-        kv = f" and {kv_gib:,.1f} GiB of KV" if kv_gib else ""
+        kv = f" and {_gib(kv_gib)} of {kv_what}" if kv_gib else ""
+        fix = "a smaller model, a GPU" if device.type == "cpu" else "a smaller model"
+        if kv_gib:
+            fix += ", fewer --max-batch-size x --max-seq-len tokens"
         raise ValueError(
-            f"the weights of {model} need {need:,.1f} GiB in {name}{kv}, more than {where} "
-            f"({mem[0]:,.1f} GiB of {mem[1]:,.1f} GiB): use a smaller model, a GPU, or "
-            "free memory"
+            f"the weights of {model} need {_gib(need)} in {name}{kv}, more than {where} "
+            f"({mem[0]:,.1f} GiB of {mem[1]:,.1f} GiB): use {fix}, or free memory"
         )
     return need
+
+
+def _gib(n: float) -> str:
+    return f"{n:,.1f} GiB" if n >= 0.1 else f"{n * 1024:,.1f} MiB"
 
 
 def loading_line(model: str, config: Any, device: torch.device, dtype: torch.dtype,

@@ -300,7 +300,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg is not None:
         _check_room(cfg, args.max_seq_len)
         kv_gib = _check_kv_memory(args, cfg, device, offload, dtype)
-        gib = check_weights_memory(args.model, cfg, device, dtype, kv_gib)
+        what = "KV (with --first-pass int8-gpu's int8 copy of K)"
+        int8 = offload is not None and offload.first_pass == "int8-gpu"
+        gib = check_weights_memory(args.model, cfg, device, dtype, kv_gib, what if int8 else "KV")
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,

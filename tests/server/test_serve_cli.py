@@ -220,7 +220,7 @@ def test_weights_larger_than_memory_are_refused_before_they_load(command, monkey
     argv += [] if command == "generate" else ["--max-seq-len", "64"]  # 2 MiB of KV
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the weights of code-sdar need 0.1 GiB")
+    assert len(err) == 1 and err[0].startswith("error: the weights of code-sdar need 56.3 MiB")
     assert "more than this machine's available memory (0.0 GiB of 4.0 GiB)" in err[0]
 
 
