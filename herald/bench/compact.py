@@ -23,7 +23,8 @@ the exact top-k and the importance mass it keeps). ``exp``: the pass's exp bound
 float32 argument in [-104, 0], per ISA this CPU runs. ``device``: on a captured record, what
 ``first_pass="int8-gpu"`` selects (:func:`herald.offload.selection.compact_device.select_int8`,
 the representative query, no tail) against the exact top-k: their overlap, the importance mass
-it keeps, and how much of the exact top-k its own top 1.5k / 2k hold (what an exact re-rank of
+it keeps, and how much of the exact top-k its own top 1.5 x k / 2 x k hold (the keys
+``exact_in_top_1.5k``, ``..._2k``; what an exact re-rank of
 that many candidates would need).
 """
 

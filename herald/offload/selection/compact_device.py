@@ -13,8 +13,10 @@ query rows) is computed with each prefix key replaced by its int8 reconstruction
 always-included tail keys exact). With several query heads per KV head the exact top-k cannot be
 certified from int8 bounds (results/compact/README.md); this placement takes the approximate top-k
 as it is. On the embedded checkpoint's real KV at 16K (budget 5%) it keeps 99.3-99.7% of the exact
-top-k and >= 0.99995 of its importance mass; the top 1.5k by int8 importance holds the whole exact
-top-k. Budget 1.0 still selects every position (then nothing is approximate).
+top-k and >= 0.99995 of its importance mass; the int8 importance's top 1.5 x k holds the whole exact
+top-k. Budget 1.0 still selects every position (then nothing is approximate). Not batch-
+invariant: a request's softmax sums run over the batch's longest prefix (masked), so their
+rounding, and at a near-tie the top-k, can change with its batch mates.
 
 Device memory: ``max_batch x max_len x Hkv x (D + 4)`` bytes per offloaded layer, allocated when
 the engine starts (:class:`DeviceCompactKeys`). The scores (:func:`int8_scores`) come from one
