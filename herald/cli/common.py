@@ -94,6 +94,8 @@ def flags_given(args: argparse.Namespace, dests: tuple[str, ...]) -> list[str]:
 
 def refuse_offload_flags(args: argparse.Namespace, dests: tuple[str, ...]) -> None:
     """``--mode dense``: refuse the offloading modes' flags (``dests``) that were given."""
+    if getattr(args, "first_pass", None) is not None:
+        raise ValueError(f"--first-pass applies to --mode herald only, not --mode {args.mode}")
     given = flags_given(args, dests)
     if given:
         names = given[0] if len(given) == 1 else ", ".join(given[:-1]) + " and " + given[-1]

@@ -110,8 +110,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         default=None,
         help="--mode mage only: where each block's exact attention and top-k over the full KV "
         "run at its first step: gpu (the full KV of a layer crosses PCIe every block; mage's "
-        "default) or cpu (the CPU kernel). Ignored by --mode herald (it always selects on the "
-        "CPU) and --mode infinigen (proxy top-k on the GPU)",
+        "default) or cpu (the CPU kernel). Refused with --mode herald (it selects on the CPU) and "
+        "--mode infinigen (proxy top-k on the GPU)",
     )
     g.add_argument(
         "--lookahead",

@@ -42,7 +42,10 @@ from herald.cli import main
             ],
             "--first-pass 'int8-gpu' needs --kernel-output selected",
         ),
-        (["generate", "--prompt", "x", "--first-pass", "int8"], "--first-pass needs an offloading"),
+        (
+            ["generate", "--prompt", "x", "--first-pass", "int8"],
+            "--first-pass applies to --mode herald only, not --mode dense",
+        ),
         (
             ["serve", "--device", "cpu", "--mode", "infinigen", "--first-pass", "int8-gpu"],
             "--first-pass applies to --mode herald only",
@@ -188,7 +191,7 @@ def test_help_states_defaults_and_which_modes_use_a_flag(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "herald 0.05, mage 0.025, infinigen 0.2" in help_text
     assert "bf16 with an offloading --mode" in help_text
-    assert "--mode mage only" in help_text and "Ignored by --mode herald" in help_text
+    assert "--mode mage only" in help_text and "Refused with --mode herald" in help_text
 
 
 def test_prompt_file_is_a_directory(tmp_path, capsys):
