@@ -240,7 +240,13 @@ def cmd_real(cfg: argparse.Namespace) -> dict[str, Any]:
 def cmd_device(cfg: argparse.Namespace) -> dict[str, Any]:
     from herald.offload.selection.compact_device import DeviceCompactKeys, select_int8
 
+    if not 0.0 < cfg.budget <= 1.0:
+        raise SystemExit(f"error: --budget must be in (0, 1], got {cfg.budget}")
     rec = torch.load(cfg.record)
+    layers = sorted(rec["keys"])
+    if not 0 <= cfg.num_dense < len(layers):
+        raise SystemExit(f"error: --num-dense must be in [0, {len(layers) - 1}] for this record "
+                         f"({len(layers)} layers), got {cfg.num_dense}")  # fmt: skip
     rows = []
     for layer in sorted(rec["keys"]):
         if layer < cfg.num_dense:
@@ -329,9 +335,15 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("--budget", type=float, default=0.05)
     real.add_argument("--num-dense", type=int, default=2)
     dev = sub.add_parser("device", help="first_pass='int8-gpu' against exact on a record")
-    dev.add_argument("record", type=Path)
-    dev.add_argument("--budget", type=float, default=0.05)
-    dev.add_argument("--num-dense", type=int, default=2)
+    dev.add_argument("record", type=Path, help="a file written by the capture subcommand")
+    dev.add_argument(
+        "--budget",
+        type=float,
+        default=0.05,
+        help="k = ceil(budget x prefix), in (0, 1] (default %(default)s)",
+    )
+    dev.add_argument("--num-dense", type=int, default=2,
+                     help="leading layers not analysed (default %(default)s)")  # fmt: skip
     exp = sub.add_parser("exp", help="the pass's exp bound over every float argument")
     exp.add_argument("--stride", type=int, default=1)
     for p in (syn, cap, real, dev, exp):
