@@ -34,7 +34,9 @@ def summary_table(units: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for u in units.values():
             if u["context"] != ctx or u["mode"] == "analysis":
                 continue
-            label = u["mode"] if u["budget"] is None else f"{u['mode']}@{u['budget']:g}"
+            fp = u.get("config", {}).get("decode", {}).get("first_pass", "none")
+            mode = u["mode"] if fp == "none" else f"{u['mode']} ({fp})"  # herald --first-pass
+            label = mode if u["budget"] is None else f"{mode}@{u['budget']:g}"
             dense = units.get(f"{u['task']}_{ctx}_dense")
             row = rows.setdefault(label, {"mode": u["mode"], "budget": u["budget"], "tasks": {}})
             row["tasks"][u["task"]] = {
