@@ -82,6 +82,7 @@ def test_eval_first_pass_reaches_the_herald_units(tmp_path, monkeypatch):
     assert res["units"]["line_256_herald_1"]["metrics"] == res["units"]["line_256_dense"]["metrics"]
     rec = json.loads((out / "runs" / "line_256_herald_1.json").read_text())
     assert rec["config"]["decode"]["first_pass"] == "int8-gpu"
+    assert "| herald (int8-gpu)@1 |" in (out / "README.md").read_text()  # the report says so
 
 
 def test_eval_user_errors(tmp_path, capsys):
