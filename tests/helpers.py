@@ -75,5 +75,21 @@ def make_engine(
     return build_engine(model, config, cfg, hooks, cpu_pool=cpu_pool)
 
 
+def recorded_engine(model, config, offload, prompts, max_new_tokens=96):
+    """An offloading engine (2 slots, 256 tokens) whose retrieval jobs are recorded, with
+    ``prompts`` queued (greedy, EOS ignored): ``(engine, recorder)``."""
+    from herald.config import SamplingParams
+    from herald.engine.hooks import EngineHooks, SelectionRecorder
+
+    recorder = SelectionRecorder()
+    eng = make_engine(
+        model, config, offload, hooks=EngineHooks(on_selection=recorder), max_batch_size=2,
+        max_seq_len=256,
+    )  # fmt: skip
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    return eng, recorder
+
+
 TINY_PRESETS = ("tiny-sdar", "tiny-llada2")
 """The tiny architectures every model test runs on."""

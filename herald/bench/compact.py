@@ -36,7 +36,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -216,16 +216,22 @@ def _midpoint_choice(x: torch.Tensor, keys: torch.Tensor, k: int, scale: float) 
     }  # fmt: skip
 
 
+def _offloaded(
+    rec: dict[str, Any], cfg: argparse.Namespace
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    """A record's offloaded layers: ``(layer, keys [Hkv, S, D], queries [B, Hq, D], k)``."""
+    for layer in sorted(rec["keys"]):
+        if layer >= cfg.num_dense:
+            keys = rec["keys"][layer]
+            yield layer, keys, rec["queries"][layer], math.ceil(cfg.budget * keys.shape[1])
+
+
 def cmd_real(cfg: argparse.Namespace) -> dict[str, Any]:
     rec = torch.load(cfg.record)
     rows = []
-    for layer in sorted(rec["keys"]):
-        if layer < cfg.num_dense:
-            continue
-        keys, q = rec["keys"][layer], rec["queries"][layer]  # [Hkv, S, D], [B, Hq, D]
+    for layer, keys, q, k in _offloaded(rec, cfg):
         hkv, seq, d = keys.shape
         scale = float(torch.tensor(d**-0.5, dtype=torch.float32))
-        k = math.ceil(cfg.budget * seq)
         mid = q.shape[0] // 2  # the block's centre [MASK] query, and all B of them
         for name, qs in (("representative", q[mid : mid + 1]), ("block", q)):
             xs = group_queries(qs, hkv, torch.float64)
@@ -248,12 +254,8 @@ def cmd_device(cfg: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"error: --num-dense must be in [0, {len(layers) - 1}] for this record "
                          f"({len(layers)} layers), got {cfg.num_dense}")  # fmt: skip
     rows = []
-    for layer in sorted(rec["keys"]):
-        if layer < cfg.num_dense:
-            continue
-        keys, q = rec["keys"][layer], rec["queries"][layer]  # [Hkv, S, D], [B, Hq, D]
+    for layer, keys, q, k in _offloaded(rec, cfg):
         hkv, seq, d = keys.shape
-        k = math.ceil(cfg.budget * seq)
         mid = q[q.shape[0] // 2][None]  # the block's centre [MASK] query
         store = DeviceCompactKeys([layer], 1, hkv, seq, d, torch.device("cpu"))
         store.write(layer, 0, 0, keys)

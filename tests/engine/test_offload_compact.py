@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_engine
+from helpers import recorded_engine
 
 import herald.offload.retrieval as retrieval
-from herald.config import OffloadConfig, SamplingParams
-from herald.engine.hooks import EngineHooks, SelectionRecorder
+from herald.config import OffloadConfig
 from herald.kv.compact_keys import quantize_keys
 from herald.models.registry import build_model, get_preset
 from herald.offload.selection import compact_cpu
@@ -33,13 +32,7 @@ def test_compact_selection_equals_the_reference_and_the_copy_stays_in_sync(
 
     monkeypatch.setattr(retrieval, "select_topk_compact", spy)
     cfg = OffloadConfig.for_mode("herald", kv_budget=0.25, selection_threads=2, first_pass="int8")
-    recorder = SelectionRecorder()
-    eng = make_engine(
-        model, config, cfg, hooks=EngineHooks(on_selection=recorder), max_batch_size=2,
-        max_seq_len=256,
-    )  # fmt: skip
-    for p in prompts:
-        eng.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True))
+    eng, recorder = recorded_engine(model, config, cfg, prompts)
     pool, b = eng.cpu_pool, config.block_size
     checked, seen, synced = 0, set(), 0
     while eng.has_unfinished():

@@ -10,10 +10,9 @@ import math
 
 import pytest
 import torch
-from helpers import make_engine
+from helpers import recorded_engine
 
-from herald.config import OffloadConfig, SamplingParams
-from herald.engine.hooks import EngineHooks, SelectionRecorder
+from herald.config import OffloadConfig
 from herald.kv.compact_keys import quantize_keys
 from herald.models.registry import build_model, get_preset
 from herald.offload.selection.compact_device import (
@@ -149,13 +148,7 @@ def test_engine_selects_by_the_int8_rule_and_the_copy_follows_the_kv(
     cfg = OffloadConfig.for_mode(
         "herald", kv_budget=0.25, lookahead=lookahead, first_pass="int8-gpu"
     )
-    recorder = SelectionRecorder()
-    eng = make_engine(
-        model, config, cfg, hooks=EngineHooks(on_selection=recorder), max_batch_size=2,
-        max_seq_len=256,
-    )  # fmt: skip
-    for p in prompts:
-        eng.add_request(p, SamplingParams(max_new_tokens=96, ignore_eos=True))
+    eng, recorder = recorded_engine(model, config, cfg, prompts)
     pool, hkv = eng.cpu_pool, config.num_kv_heads
     store = eng.policy.keys  # type: ignore[attr-defined]
     assert isinstance(store, DeviceCompactKeys) and pool.compact is None
@@ -227,7 +220,7 @@ def test_generate_flag_reaches_the_engine(
 
 _TRITON_CASES = """
 import torch
-from herald.offload.selection.compact_device import int8_scores, _int8_scores_triton
+from herald.offload.selection.compact_device import int8_scores
 g = torch.Generator().manual_seed(5)
 for n, hkv, gq, d, s_max, lens in [(3, 2, 4, 32, 150, [150, 0, 77]), (1, 1, 1, 16, 64, [1]),
                                     (2, 4, 2, 128, 130, [129, 130])]:
@@ -235,13 +228,12 @@ for n, hkv, gq, d, s_max, lens in [(3, 2, 4, 32, 150, [150, 0, 77]), (1, 1, 1, 1
     q8 = torch.randint(-127, 128, (n, hkv, s_max + 7, d), generator=g).to(torch.int8)
     sc = torch.rand(n, hkv, s_max + 7, generator=g)
     ln = torch.tensor(lens)
-    got = _int8_scores_triton(x, q8, sc, ln, s_max, d ** -0.5)
+    got = int8_scores(x, q8, sc, ln, s_max, d ** -0.5)  # the interpreter takes the kernel
     ref = x.double() @ q8[:, :, :s_max].double().transpose(-1, -2)
     ref = ref * sc[:, :, None, :s_max].double() * d ** -0.5
     live = (torch.arange(s_max)[None, :] < ln[:, None])[:, None, None, :].expand_as(ref)
     assert torch.isinf(got[~live]).all() and (got[~live] < 0).all()
     torch.testing.assert_close(got[live].double(), ref[live], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(int8_scores(x, q8, sc, ln, s_max, d ** -0.5), got)  # dispatch
 # a head_dim that is no power of two takes the PyTorch path
 x, q8, sc = torch.randn(1, 1, 2, 48), torch.ones(1, 1, 9, 48, dtype=torch.int8), torch.ones(1, 1, 9)
 got = int8_scores(x, q8, sc, torch.tensor([9]), 9, 1.0)

@@ -141,29 +141,12 @@ def select_int8(
         ``[n, Hkv, max(1, max k_i)]`` int32 positions, ascending per (request, head), -1 past
         ``k_i``. Ties in the int8 importance go either way (the rule is approximate anyway).
     """
-    n, hkv = q.shape[0], tail_k.shape[1]
-    kmax = max([1, *num_selected])
-    out = torch.full((n, hkv, kmax), -1, dtype=torch.int32, device=q.device)
-    _select_into(q, keys, layer, slot0, prefix_lens, num_selected, tail_k, out)
-    return out
-
-
-def _select_into(
-    q: torch.Tensor,
-    keys: DeviceCompactKeys,
-    layer: int,
-    slot0: int,
-    prefix_lens: Sequence[int],
-    num_selected: Sequence[int],
-    tail_k: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
     n, _, d = q.shape
     hkv = tail_k.shape[1]
-    s_max = max(prefix_lens)
-    k = max(num_selected)
+    out = torch.full((n, hkv, max([1, *num_selected])), -1, dtype=torch.int32, device=q.device)
+    s_max, k = max(prefix_lens), max(num_selected)
     if k == 0 or s_max == 0:
-        return
+        return out
     x = q.float().reshape(n, hkv, -1, d)  # [n, Hkv, G, D]: KV head h's rows h*G .. h*G+G-1
     scale = d**-0.5
     lens = small_tensor(prefix_lens, q.device)
@@ -186,6 +169,7 @@ def _select_into(
     keep = torch.arange(k, device=q.device)[None, None, :] < ks[:, None, None]
     top = torch.where(keep, top, s_max).sort(dim=-1).values  # kept ascending, then the pad
     out[:, :, :k] = torch.where(top < s_max, top, -1).to(torch.int32)
+    return out
 
 
 def int8_scores(
@@ -206,9 +190,16 @@ def int8_scores(
     them to float32 a chunk of requests at a time (:data:`CHUNK_BYTES`)."""
     n, hkv, g, d = x.shape
     fits = d & (d - 1) == 0 and q8.stride(3) == 1 and q8.stride(2) == d and scales.stride(2) == 1
-    if fits and ((x.is_cuda and triton_enabled()) or (interpreting() and triton_available())):
-        return _int8_scores_triton(x, q8, scales, lens, s_max, scale)
     out = torch.empty(n, hkv, g, s_max, device=x.device)
+    if fits and ((x.is_cuda and triton_enabled()) or (interpreting() and triton_available())):
+        from herald.offload.selection import _int8_score_kernel as kern
+
+        kern.int8_scores[(n * hkv, -(-s_max // BLOCK_S))](
+            x.contiguous(), q8, scales, lens.to(torch.int32), out, s_max,
+            q8.stride(0), q8.stride(1), scales.stride(0), scales.stride(1), scale,
+            HKV=hkv, G=g, D=d, BLOCK_S=BLOCK_S, num_warps=4,
+        )  # fmt: skip
+        return out
     per = hkv * s_max * d * 4
     step = max(1, CHUNK_BYTES // max(per, 1))
     for i in range(0, n, step):
@@ -219,29 +210,6 @@ def int8_scores(
         )
     pos = torch.arange(s_max, device=x.device)
     return out.masked_fill_((pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-
-
-def _int8_scores_triton(
-    x: torch.Tensor,
-    q8: torch.Tensor,
-    scales: torch.Tensor,
-    lens: torch.Tensor,
-    s_max: int,
-    scale: float,
-) -> torch.Tensor:
-    from herald.offload.selection import _int8_score_kernel as kern
-
-    n, hkv, g, d = x.shape
-    if q8.stride(3) != 1 or q8.stride(2) != d or scales.stride(2) != 1 or d & (d - 1):
-        raise ValueError(f"int8_scores: keys {tuple(q8.shape)} strides {q8.stride()}, D {d}")
-    out = torch.empty(n, hkv, g, s_max, device=x.device)
-    grid = (n * hkv, -(-s_max // BLOCK_S))
-    kern.int8_scores[grid](
-        x.contiguous(), q8, scales, lens.to(torch.int32), out, s_max,
-        q8.stride(0), q8.stride(1), scales.stride(0), scales.stride(1), scale,
-        HKV=hkv, G=g, D=d, BLOCK_S=BLOCK_S, num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 def attend_selected_and_tail(
