@@ -10,6 +10,8 @@ import sys
 
 root, pattern = pathlib.Path(sys.argv[1]), sys.argv[2]
 for d in sorted(root.glob(pattern)):
+    if not (d / "throughput.jsonl").is_file():  # (a summary file the pattern also matches)
+        continue
     for line in (d / "throughput.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r.get("kind") == "point":
