@@ -24,6 +24,16 @@ def _batch_invariant_cpu_matmul():
 
 
 @pytest.fixture(autouse=True)
+def _close_engines_left_open():
+    """Close what :func:`helpers.make_engine` built and the test left open (a failed check)."""
+    from helpers import OPEN_ENGINES
+
+    yield
+    while OPEN_ENGINES:
+        OPEN_ENGINES.pop().close()
+
+
+@pytest.fixture(autouse=True)
 def _fresh_env_settings():
     """Every test starts from this process's real ``HERALD_*`` switches (``herald.env`` parses
     them once; a test that sets one calls ``reload_settings()`` after ``monkeypatch.setenv``)."""

@@ -72,7 +72,15 @@ def make_engine(
     from herald.engines import build_engine
 
     cfg = EngineConfig(offload=offload, **engine_fields)
-    return build_engine(model, config, cfg, hooks, cpu_pool=cpu_pool)
+    engine = build_engine(model, config, cfg, hooks, cpu_pool=cpu_pool)
+    OPEN_ENGINES.append(engine)  # closed after the test (tests/conftest.py), if it did not
+    return engine
+
+
+OPEN_ENGINES: list = []
+"""Engines :func:`make_engine` built during the running test. One a failed test leaves open
+keeps its thread and its page-locked pool registered with CUDA, and later tests' registrations
+of reused memory then fail ("already registered")."""
 
 
 def recorded_engine(model, config, offload, prompts, max_new_tokens=96):

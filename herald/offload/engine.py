@@ -282,7 +282,10 @@ class OffloadEngine(Engine):
 
     def close(self) -> None:
         """Stop the policy's threads, release every request's pages and the pinned memory (the
-        CPU pool too, when this engine made it)."""
+        CPU pool too, when this engine made it). Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.policy.close()
         super().close()
         self.prompt.drop()
