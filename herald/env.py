@@ -32,6 +32,12 @@ variable                       meaning
                                ``all`` (also the fused MoE experts, the dense cache, prefill
                                chunks, and the router and RMSNorm of float32 models) or ``0``
                                (none: PyTorch routing and norms, grouped-GEMM MoE and SDPA)
+``HERALD_PREFILL_ATTENTION``   the attention of prefill chunks on CUDA: ``triton`` (herald's
+                               block-causal kernel, one compilation for every chunk length, where
+                               ``HERALD_TRITON`` is not ``0``), ``sdpa`` (PyTorch's SDPA with a
+                               per-query mask over K/V expanded to the query heads) or ``auto``
+                               (default: ``sdpa`` unless ``HERALD_TRITON=all``, until the kernel
+                               is measured faster at every prompt length)
 ``HERALD_ALLOW_LONG_CONTEXT``  ``1`` (or true/yes/on; 0/false/no/off/unset: off): ``herald
                                serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),
@@ -71,6 +77,7 @@ PREFETCH_HINTS = ("none", "t0", "t1", "nta")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 TRITON_CHOICES = ("auto", "all", "0")
 FETCH_CHOICES = ("auto", "cpu", "gpu")
+PREFILL_ATTENTION_CHOICES = ("auto", "triton", "sdpa")
 DEFAULT_PREFETCH = "t0:1"
 
 
@@ -91,6 +98,7 @@ class Settings:
     compile: bool = True
     api_key: str | None = field(default=None, repr=False)
     triton: str = "auto"
+    prefill_attention: str = "auto"
     allow_long_context: bool = False
     huge_pages: bool = False
     fetch: str = "auto"
@@ -172,6 +180,9 @@ def parse(env: dict[str, str]) -> Settings:
         compile=env.get("HERALD_COMPILE", "1").strip() != "0",
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
+        prefill_attention=_choice(
+            env, "HERALD_PREFILL_ATTENTION", PREFILL_ATTENTION_CHOICES, "auto"
+        ),
         allow_long_context=_flag(env, "HERALD_ALLOW_LONG_CONTEXT"),
         huge_pages=_flag(env, "HERALD_HUGE_PAGES"),
         fetch=_choice(env, "HERALD_FETCH", FETCH_CHOICES, "auto"),

@@ -64,6 +64,102 @@ def block_attention(
 
 
 @triton.jit
+def block_causal_prefill(
+    q_ptr,  # [bs, L, Hq, D]
+    k_ptr,  # [slots, Hkv, cap, D]
+    v_ptr,  # [slots, Hkv, cap, D]
+    o_ptr,  # [bs, L, Hq, D]
+    prefix_ptr,  # [bs] int32: rows already in the store before this chunk
+    slot_offset,
+    qk_scale,  # head_dim ** -0.5 * log2(e)
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_kn,
+    stride_vs,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    CAUSAL_B: tl.constexpr,  # the diffusion block: QT divides it
+    G: tl.constexpr,
+    QT: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A block-causal prefill chunk: :func:`block_attention` with ``CAUSAL_B``, without the chunk
+    length among the compile-time constants (one compilation serves every chunk length) and
+    without per-key visibility tests. A tile lies inside one block, so all its rows see the same
+    keys ``[0, prefix + (block + 1) * B)``: the chunks before the last run unmasked and only the
+    last one checks the range. The chunks and their order are :func:`_attend_keys`'s, so the
+    result has the same bits as :func:`block_attention`'s block-causal mode."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t0 = tl.program_id(2) * QT
+    end = tl.load(prefix_ptr + row) + (t0 // CAUSAL_B + 1) * CAUSAL_B
+    full = end - end % BLOCK_N
+
+    offs_m = tl.arange(0, QT * G)
+    pos = t0 + offs_m // G
+    head = kvh * G + offs_m % G
+    offs_d = tl.arange(0, D)
+    q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
+    slot = (slot_offset + row).to(tl.int64)
+    k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((QT * G,), dtype=tl.float32)
+    acc = tl.zeros((QT * G, D), dtype=tl.float32)
+    for s0 in range(0, full, BLOCK_N):
+        m_i, l_i, acc = _key_chunk(
+            q, k_base, v_base, offs_d, s0, end, m_i, l_i, acc, qk_scale, stride_kn, stride_vn,
+            BLOCK_N, False,
+        )  # fmt: skip
+    if full < end:
+        m_i, l_i, acc = _key_chunk(
+            q, k_base, v_base, offs_d, full, end, m_i, l_i, acc, qk_scale, stride_kn, stride_vn,
+            BLOCK_N, True,
+        )  # fmt: skip
+    o_ptrs = _rows(o_ptr, row, pos, head, offs_d, stride_ob, stride_ol, stride_oh)
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _key_chunk(
+    q, k_base, v_base, offs_d, s0, end, m_i, l_i, acc, qk_scale, stride_kn, stride_vn,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step of :func:`block_causal_prefill` over keys ``[s0, s0 + BLOCK_N)``,
+    every one visible (``MASKED``: only those below ``end``). The same operations as one turn
+    of :func:`_attend_keys`' loop when every key of the chunk is visible."""
+    offs_n = s0 + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None]
+    v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
+    if MASKED:
+        in_range = offs_n < end
+        k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where(in_range[None, :], s, float("-inf"))
+    else:
+        k = tl.load(k_ptrs)
+        s = tl.dot(q, k) * qk_scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    pr = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    if MASKED:  # noqa: SIM108 (one branch is compiled: MASKED is a constant)
+        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _visible_keys(p, t0, L: tl.constexpr, DRAFT_B: tl.constexpr, CAUSAL_B: tl.constexpr):
     """Keys a tile starting at query position ``t0`` sees: ``[0, lo_end)`` and
     ``[hi_start, hi_end)``, for a row with ``p`` rows already in its store."""

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from herald.env import settings
 from herald.layers.moe_triton import triton_enabled
 
 FOLDED_ROWS = 64  # query rows (positions x heads in a group) per program
@@ -46,16 +47,25 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
-def query_tile(num_q_heads: int, num_kv_heads: int, length: int, block: int = 0) -> int:
-    """Query positions per program: ``FOLDED_ROWS // G``, dividing L (and B for a draft group
-    or a block-causal chunk, so a tile never straddles two visibility rules)."""
+def query_tile(
+    num_q_heads: int, num_kv_heads: int, length: int, block: int = 0, rows: int = FOLDED_ROWS
+) -> int:
+    """Query positions per program: ``rows // G``, dividing L (and B for a draft group or a
+    block-causal chunk, so a tile never straddles two visibility rules)."""
     g = num_q_heads // num_kv_heads
-    qt = max(1, FOLDED_ROWS // g)
+    qt = max(1, rows // g)
     limit = block or length
     while qt > 1 and limit % qt:
         qt //= 2
     return min(qt, limit)
 
+
+PREFILL_TILE = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+"""Launch parameters of block-causal prefill chunks (:func:`block_attention` with
+``causal_block``): folded query rows per program, keys per chunk, warps, pipeline stages. Those
+of the denoising steps until a sweep on the GPU measures better ones
+(``scripts/diagnostics/prefill_attention_bench.py``); a prefill chunk is one request's, so they
+may differ from the steps' without touching batch invariance."""
 
 SMALL_STORE_KEYS = 8192
 """Stores up to this many rows per slot (the sparse pools) use the kernel by default; on the
@@ -68,16 +78,20 @@ def block_attention_available(
     q: torch.Tensor, k_store: torch.Tensor, *, prefill: bool = False
 ) -> bool:
     """True when the kernel suits the call: CUDA bf16/fp16, Triton enabled for this store (see
-    :data:`SMALL_STORE_KEYS`; prefill chunks only with ``HERALD_TRITON=all``), power-of-two head
-    dim of at least 16, and at least 16 folded query rows per program."""
-    everywhere = prefill or k_store.shape[2] > SMALL_STORE_KEYS
+    :data:`SMALL_STORE_KEYS`; prefill chunks as ``HERALD_PREFILL_ATTENTION`` says), power-of-two
+    head dim of at least 16, and at least 16 folded query rows per program."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if not triton_enabled(everywhere):
+    if prefill:
+        choice = settings().prefill_attention
+        if choice == "sdpa" or not triton_enabled(everywhere=choice == "auto"):
+            return False
+    elif not triton_enabled(k_store.shape[2] > SMALL_STORE_KEYS):
         return False
     d = q.shape[-1]
     g = q.shape[2] // k_store.shape[1]
-    qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1])
+    rows = PREFILL_TILE["rows"] if prefill else FOLDED_ROWS
+    qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1], rows=rows)
     return d >= 16 and d & (d - 1) == 0 and qt * g >= 16 and k_store.stride(-1) == 1
 
 
@@ -90,16 +104,21 @@ def block_attention(
     slot_offset: int = 0,
     draft_block: int = 0,
     causal_block: int = 0,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    rows: int | None = None,
     split_keys: int = 0,
 ) -> torch.Tensor:
     """See the module docstring. ``prefix`` [bs] int32 on the device; returns [bs, L, Hq, D].
 
     The caller has written the current tokens' K/V at rows ``[prefix, prefix + L)`` of each
     row's slot. ``split_keys``: keys per program (0, the default: one program streams all of a
-    row's keys).
+    row's keys). ``block_n``, ``num_warps``, ``num_stages`` and ``rows`` (folded query rows per
+    program) default to :data:`PREFILL_TILE`'s for a block-causal chunk, else to
+    :data:`BLOCK_N`, :data:`NUM_WARPS`, :data:`NUM_STAGES` and :data:`FOLDED_ROWS`. A
+    block-causal chunk runs its own kernel (``block_causal_prefill``): no per-key visibility
+    tests, and one compilation for every chunk length.
 
     Raises:
         ValueError: a draft group whose L is not 2B, a block-causal chunk that is not whole
@@ -114,11 +133,29 @@ def block_attention(
         raise ValueError(f"a draft group has 2B queries: got L={length}, B={draft_block}")
     if causal_block and (length % causal_block or draft_block):
         raise ValueError(f"a block-causal chunk is whole blocks: L={length}, B={causal_block}")
-    qt = query_tile(hq, hkv, length, draft_block or causal_block)
+    tile = PREFILL_TILE if causal_block else {
+        "rows": FOLDED_ROWS, "block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+    }  # fmt: skip
+    rows = tile["rows"] if rows is None else rows
+    block_n = tile["block_n"] if block_n is None else block_n
+    num_warps = tile["num_warps"] if num_warps is None else num_warps
+    num_stages = tile["num_stages"] if num_stages is None else num_stages
+    qt = query_tile(hq, hkv, length, draft_block or causal_block, rows)
     q = q.contiguous()
     out = torch.empty_like(q)
     if prefix.dtype != torch.int32:
         prefix = prefix.to(torch.int32)
+    if causal_block and not split_keys:
+        kern.block_causal_prefill[(bs, hkv, length // qt)](
+            q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
+            q.stride(0), q.stride(1), q.stride(2),
+            k_store.stride(0), k_store.stride(1), k_store.stride(2),
+            v_store.stride(0), v_store.stride(1), v_store.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return out
     if split_keys:
         if causal_block or split_keys % block_n:
             raise ValueError(

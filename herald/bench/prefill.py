@@ -8,7 +8,8 @@ batch. Reported: prefill tokens/s = prompt tokens over the engine's own prefill 
 (``EngineStats.prefill_seconds``: each chunk's forward, the KV writes, for offloading modes the
 copy to the CPU pool and the first block's selection, synchronised), and the wall time until the
 last request joined. ``--triton 0,1`` measures with herald's Triton kernels off and on in the
-same process (``HERALD_TRITON``).
+same process (``HERALD_TRITON``), ``--prefill-attention sdpa,triton`` with the prefill chunks'
+attention on either path (``HERALD_PREFILL_ATTENTION``); every combination, in the order given.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="4096,16384,32768", help="prompt lengths")
     p.add_argument("--requests", type=int, default=4, help="prompts queued at once")
     p.add_argument("--triton", default="auto", help="HERALD_TRITON values to measure, e.g. 0,all")
+    p.add_argument(
+        "--prefill-attention",
+        default="auto",
+        help="HERALD_PREFILL_ATTENTION values to measure, e.g. sdpa,triton",
+    )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -88,21 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         a.model, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
     )
     records = []
-    for triton in a.triton.split(","):
-        with overridden({"HERALD_TRITON": triton}):
+    switches = [
+        {"HERALD_TRITON": triton, "HERALD_PREFILL_ATTENTION": attention}
+        for triton in a.triton.split(",")
+        for attention in a.prefill_attention.split(",")
+    ]
+    for switch in switches:
+        with overridden(switch):
             for mode in a.modes.split(","):
                 for n in (int(s) for s in a.prompts.split(",")):
                     rec = {
                         "model": a.model,
-                        "triton": triton,
+                        "triton": switch["HERALD_TRITON"],
+                        "prefill_attention": switch["HERALD_PREFILL_ATTENTION"],
                         **measure(model, config, mode, n, a.requests),
                     }
                     records.append(rec)
                     tps = rec["prefill_tokens_per_s"]
                     print(
-                        f"triton={triton} {mode:8s} {n:6d} tokens x {a.requests}: "
-                        f"{tps:10.0f} tok/s prefill, all joined after "
-                        f"{rec['wall_until_all_joined_s']:.2f} s",
+                        f"triton={rec['triton']} prefill_attention={rec['prefill_attention']} "
+                        f"{mode:8s} {n:6d} tokens x {a.requests}: {tps:10.0f} tok/s prefill, "
+                        f"all joined after {rec['wall_until_all_joined_s']:.2f} s",
                         flush=True,
                     )
     if a.out is not None:

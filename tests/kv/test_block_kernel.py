@@ -44,12 +44,36 @@ def _reference(
     return torch.cat([ob, od], dim=1)
 
 
+def _general_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: torch.Tensor, slot0: int,
+    block: int, block_n: int, rows: int,
+) -> torch.Tensor:  # fmt: skip
+    """A block-causal chunk through the general kernel (per-key visibility tests, the chunk
+    length a compile-time constant), which prefill chunks ran before their own kernel."""
+    import math
+
+    from herald.attention import _block_kernel as kern
+    from herald.attention.block_kernel import query_tile
+
+    bs, length, hq, d = q.shape
+    hkv = k.shape[1]
+    qt = query_tile(hq, hkv, length, block, rows)
+    out = torch.empty_like(q)
+    kern.block_attention[(bs, hkv, length // qt)](
+        q, k, v, out, prefix.int(), slot0, d**-0.5 * math.log2(math.e),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        L=length, DRAFT_B=0, CAUSAL_B=block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
     sys.path.insert(0, {tests!r})
-    from test_block_kernel import _reference
+    from test_block_kernel import _general_causal, _reference
     from herald.attention.block_kernel import block_attention
     torch.manual_seed(0)
     hq, hkv, d, cap, b = 8, 2, 32, 200, 16
@@ -80,6 +104,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         out = block_attention(q, k, v, prefix.int(), slot_offset=1, causal_block=b, block_n=16)
         err = (out.float() - _reference(q, k, v, prefix, 1, 0, causal=b)).abs().max().item()
         assert err < tol, (dtype, "causal", err)
+        # the prefill kernel has the general kernel's bits (keys ending mid-chunk: 37 + 16 rows),
+        # for any chunk length and tile
+        for length, rows, bn in ((3 * b, 16, 16), (b, 8, 32), (2 * b, 32, 16)):
+            qc = torch.randn(3, length, hq, d).to(dtype)
+            fast = block_attention(qc, k, v, prefix.int(), slot_offset=1, causal_block=b,
+                                   block_n=bn, rows=rows)
+            general = _general_causal(qc, k, v, prefix, 1, b, bn, rows)
+            assert torch.equal(fast, general), (dtype, length, rows, bn)
+            ref = _reference(qc, k, v, prefix, 1, 0, causal=b)
+            assert (fast.float() - ref).abs().max().item() < tol, (dtype, length, "ref")
     print("ok")
     """
 )
@@ -119,7 +153,15 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
     assert block_attention_available(q_small, small)  # the default: sparse-pool sized stores
     assert not block_attention_available(q_small, big)
     assert not block_attention_available(q_small, small, prefill=True)
+    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "triton")  # any store, unless Triton is off
+    assert block_attention_available(q_small, big, prefill=True)
+    monkeypatch.setenv("HERALD_TRITON", "0")
+    assert not block_attention_available(q_small, big, prefill=True)
     monkeypatch.setenv("HERALD_TRITON", "all")
+    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "sdpa")
+    assert not block_attention_available(q_small, big, prefill=True)
+    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "auto")
+    assert block_attention_available(q_small, big, prefill=True)
 
     k, v = _store(8, 9000)
     prefix = torch.tensor([0, 1, 1703, 511, 8000, 4096, 33, 7000], device="cuda")
@@ -133,8 +175,13 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
             assert (out.float() - ref).abs().max().item() < 2e-2, (draft, split)
     q = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)  # prefill chunks
     pre = torch.tensor([0, 4096], device="cuda")
-    out = block_attention(q, k, v, pre.int(), causal_block=32).float()
-    assert (out - _reference(q, k, v, pre, 0, 0, causal=32)).abs().max().item() < 2e-2
+    ref = _reference(q, k, v, pre, 0, 0, causal=32)
+    out = block_attention(q, k, v, pre.int(), causal_block=32)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    # the prefill kernel has the general kernel's bits; a larger tile stays close to SDPA
+    assert torch.equal(out, _general_causal(q, k, v, pre, 0, 32, 64, 64))
+    big = block_attention(q, k, v, pre.int(), causal_block=32, rows=128, block_n=128, num_warps=8)
+    assert (big.float() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.gpu
@@ -178,3 +225,18 @@ def test_block_attention_replays_in_a_cuda_graph_for_new_lengths(split: int) -> 
         prefix.copy_(torch.tensor(new, device="cuda", dtype=torch.int32))
         graph.replay()
         assert torch.equal(out, block_attention(q, k, v, prefix, split_keys=split)), new
+
+
+def test_prefill_attention_switch() -> None:
+    """HERALD_PREFILL_ATTENTION: auto by default, case-insensitive, an unknown value named; on
+    CPU tensors the kernel is never chosen, whatever the switch says."""
+    from herald.attention.block_kernel import block_attention_available
+    from herald.env import parse
+
+    assert parse({}).prefill_attention == "auto"
+    assert parse({"HERALD_PREFILL_ATTENTION": " Triton "}).prefill_attention == "triton"
+    with pytest.raises(ValueError, match="HERALD_PREFILL_ATTENTION='flash'"):
+        parse({"HERALD_PREFILL_ATTENTION": "flash"})
+    q = torch.zeros(1, 64, 16, 128, dtype=torch.bfloat16)
+    store = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
+    assert not block_attention_available(q, store, prefill=True)
