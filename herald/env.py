@@ -32,12 +32,13 @@ variable                       meaning
                                ``all`` (also the fused MoE experts, the dense cache, prefill
                                chunks, and the router and RMSNorm of float32 models) or ``0``
                                (none: PyTorch routing and norms, grouped-GEMM MoE and SDPA)
-``HERALD_PREFILL_ATTENTION``   the attention of prefill chunks on CUDA: ``triton`` (herald's
-                               block-causal kernel, one compilation for every chunk length, where
-                               ``HERALD_TRITON`` is not ``0``), ``sdpa`` (PyTorch's SDPA with a
-                               per-query mask over K/V expanded to the query heads) or ``auto``
-                               (default: ``sdpa`` unless ``HERALD_TRITON=all``, until the kernel
-                               is measured faster at every prompt length)
+``HERALD_PREFILL_ATTENTION``   the attention of prefill chunks of several whole blocks on CUDA
+                               (a one-block chunk follows the denoising steps'): ``triton``
+                               (herald's block-causal kernel, one compilation for every chunk
+                               length, where ``HERALD_TRITON`` is not ``0``), ``sdpa`` (PyTorch's
+                               SDPA with a per-query mask over K/V expanded to the query heads)
+                               or ``auto`` (default: ``sdpa`` unless ``HERALD_TRITON=all``, until
+                               the kernel is measured faster at every prompt length)
 ``HERALD_ALLOW_LONG_CONTEXT``  ``1`` (or true/yes/on; 0/false/no/off/unset: off): ``herald
                                serve --max-seq-len`` may exceed the model's
                                ``max_position_embeddings`` (RoPE extrapolates; with a warning),

@@ -63,7 +63,7 @@ def block_attention(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_offset"])
 def block_causal_prefill(
     q_ptr,  # [bs, L, Hq, D]
     k_ptr,  # [slots, Hkv, cap, D]
@@ -91,11 +91,13 @@ def block_causal_prefill(
     BLOCK_N: tl.constexpr,
 ):
     """A block-causal prefill chunk: :func:`block_attention` with ``CAUSAL_B``, without the chunk
-    length among the compile-time constants (one compilation serves every chunk length) and
-    without per-key visibility tests. A tile lies inside one block, so all its rows see the same
-    keys ``[0, prefix + (block + 1) * B)``: the chunks before the last run unmasked and only the
-    last one checks the range. The chunks and their order are :func:`_attend_keys`'s, so the
-    result has the same bits as :func:`block_attention`'s block-causal mode."""
+    length or the slot among the compile-time constants (one compilation serves every chunk
+    length and slot) and without per-key visibility tests. A tile lies inside one block, so all
+    its rows see the same keys ``[0, prefix + (block + 1) * B)``: the chunks before the last run
+    unmasked and only the last one checks the range. The chunks, their order and each chunk's
+    operations are :func:`_attend_keys`'s (the Triton interpreter gives the same bits); compiled
+    for a GPU, an unmasked chunk's scale and max subtraction may fuse into one multiply-add,
+    so the last bits can differ from the general kernel's block-causal mode."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     t0 = tl.program_id(2) * QT
@@ -134,7 +136,8 @@ def _key_chunk(
 ):  # fmt: skip
     """One online-softmax step of :func:`block_causal_prefill` over keys ``[s0, s0 + BLOCK_N)``,
     every one visible (``MASKED``: only those below ``end``). The same operations as one turn
-    of :func:`_attend_keys`' loop when every key of the chunk is visible."""
+    of :func:`_attend_keys`' loop when every key of the chunk is visible (up to the contraction
+    of ``s * scale - m`` into a multiply-add, which the masked ``where`` there prevents)."""
     offs_n = s0 + tl.arange(0, BLOCK_N)
     k_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None]
     v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :]

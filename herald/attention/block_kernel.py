@@ -75,11 +75,12 @@ choice depends on the store, never on the batch, so results stay batch-invariant
 
 
 def block_attention_available(
-    q: torch.Tensor, k_store: torch.Tensor, *, prefill: bool = False
+    q: torch.Tensor, k_store: torch.Tensor, *, prefill: bool = False, block: int = 0
 ) -> bool:
     """True when the kernel suits the call: CUDA bf16/fp16, Triton enabled for this store (see
     :data:`SMALL_STORE_KEYS`; prefill chunks as ``HERALD_PREFILL_ATTENTION`` says), power-of-two
-    head dim of at least 16, and at least 16 folded query rows per program."""
+    head dim of at least 16, and at least 16 folded query rows per program (``block``: the
+    diffusion block a draft group's or prefill chunk's tiles must divide)."""
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
     if prefill:
@@ -91,7 +92,7 @@ def block_attention_available(
     d = q.shape[-1]
     g = q.shape[2] // k_store.shape[1]
     rows = PREFILL_TILE["rows"] if prefill else FOLDED_ROWS
-    qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1], rows=rows)
+    qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1], block, rows)
     return d >= 16 and d & (d - 1) == 0 and qt * g >= 16 and k_store.stride(-1) == 1
 
 

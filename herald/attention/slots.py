@@ -47,9 +47,12 @@ class SlotAttention:
     Prefill chunks (block-causal) are not padded.
 
     On CUDA with Triton, denoising steps, commits and draft groups over small stores (the sparse
-    pools; every store and whole-block prefill chunks with ``HERALD_TRITON=all``) run
+    pools; every store with ``HERALD_TRITON=all``) run
     :func:`herald.attention.block_kernel.block_attention` instead of SDPA: each row over exactly
     its own keys, batch-invariant without padding (``kv_pad`` then only sizes the store).
+    Prefill chunks of whole blocks, more than one, take its block-causal kernel as
+    ``HERALD_PREFILL_ATTENTION`` says; a one-block chunk is a denoising step's shape and follows
+    the steps' rule.
     """
 
     def __init__(
@@ -142,8 +145,9 @@ class SlotAttention:
         self._write(kc, vc, k, v)
         keys = kc[self._slots, :, : self._kv_len]
         values = vc[self._slots, :, : self._kv_len]
+        block = self._block_size or (self._length // 2 if self._draft else 0)
         fast = self._prefix32 is not None and block_attention_available(
-            q, kc, prefill=self._block_size is not None
+            q, kc, prefill=self._block_size is not None, block=block
         )
         if fast and (self._block_size is None or self._length % self._block_size == 0):
             # One kernel over each row's own keys: no padding, no masks, batch-invariant.

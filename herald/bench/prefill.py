@@ -24,7 +24,7 @@ import torch
 from herald.bench.common import append_jsonl, random_prompts
 from herald.config import EngineConfig, SamplingParams
 from herald.engines import MODES, build_engine, offload_for_mode
-from herald.env import overridden
+from herald.env import overridden, settings
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 from herald.models.loader import load_model
@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="dense,herald", help=f"comma-separated of {MODES}")
     p.add_argument("--prompts", default="4096,16384,32768", help="prompt lengths")
     p.add_argument("--requests", type=int, default=4, help="prompts queued at once")
-    p.add_argument("--triton", default="auto", help="HERALD_TRITON values to measure, e.g. 0,all")
+    p.add_argument(
+        "--triton",
+        default=None,
+        help="HERALD_TRITON values to measure, e.g. 0,all (default: this process's setting)",
+    )
     p.add_argument(
         "--prefill-attention",
-        default="auto",
-        help="HERALD_PREFILL_ATTENTION values to measure, e.g. sdpa,triton",
+        default=None,
+        help="HERALD_PREFILL_ATTENTION values to measure, e.g. sdpa,triton (default: this "
+        "process's setting)",
     )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
@@ -93,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     model, config, _ = load_model(
         a.model, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
     )
-    records = []
+    now = settings()
     switches = [
         {"HERALD_TRITON": triton, "HERALD_PREFILL_ATTENTION": attention}
-        for triton in a.triton.split(",")
-        for attention in a.prefill_attention.split(",")
+        for triton in (a.triton or now.triton).split(",")
+        for attention in (a.prefill_attention or now.prefill_attention).split(",")
     ]
     for switch in switches:
         with overridden(switch):
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         "prefill_attention": switch["HERALD_PREFILL_ATTENTION"],
                         **measure(model, config, mode, n, a.requests),
                     }
-                    records.append(rec)
+                    if a.out is not None:  # each record as it comes: a cut run keeps them
+                        append_jsonl(a.out / "prefill.jsonl", [rec])
                     tps = rec["prefill_tokens_per_s"]
                     print(
                         f"triton={rec['triton']} prefill_attention={rec['prefill_attention']} "
@@ -117,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"all joined after {rec['wall_until_all_joined_s']:.2f} s",
                         flush=True,
                     )
-    if a.out is not None:
-        append_jsonl(a.out / "prefill.jsonl", records)
     return 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefill attention on the device machine, in one call (~6-8 minutes):
+# Prefill attention on the device machine, in one call (at most ~9.5 minutes):
 #   1. the block-attention kernel's GPU tests (the prefill kernel's bits against the general
 #      kernel, the HERALD_PREFILL_ATTENTION switch);
 #   2. scripts/diagnostics/prefill_attention_bench.py: one layer's attention over 4K/16K/32K
@@ -21,12 +21,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   git rev-parse --short HEAD 2>/dev/null; free -g | head -2; nproc; } > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv/test_block_kernel.py \
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kv/test_block_kernel.py \
     > "$OUT/pytest_block_kernel.log" 2>&1
   echo "block kernel GPU tests exit $?"; tail -3 "$OUT/pytest_block_kernel.log"
 fi
 quick=(); [ "${QUICK:-0}" = "1" ] && quick=(--quick)
-timeout 200 python3 scripts/diagnostics/prefill_attention_bench.py "${quick[@]}" \
+timeout 160 python3 scripts/diagnostics/prefill_attention_bench.py "${quick[@]}" \
   --out "$OUT/prefill_attention.json" 2>&1 | tee "$OUT/prefill_attention.log" | grep -E "best|sdpa|r64 n64 w4 s3"
 echo "prefill attention bench exit ${PIPESTATUS[0]}"
 timeout 300 python3 -m herald.bench.prefill --model llada2-mini --modes dense,herald \
