@@ -13,6 +13,10 @@
 #    folder of raw records per point ($OUT/<variant>_<batch>/throughput.jsonl), the summary last
 #    (also in $OUT/int8_gpu_ab.txt). At most 8 files come back: keep POINTS short, and delete
 #    the points' README.md and plots when more than ~6 points run.
+# MODEL (default llada2-mini) picks the model of every point; SDAR-8B-Chat's HERALD against its
+# dense at 32K (the CPU pool holds 24 requests there on the one-GPU host):
+#   MODEL=sdar-8b-chat SKIP_TESTS=1 POINT_LIMIT=240 POINTS="dense:12 herald-selected:24" \
+#     bash scripts/device/int8_gpu_ab.sh
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,7 +33,7 @@ fi
 for spec in ${POINTS:-herald-int8-gpu:64 herald-selected:80 dense:32 herald-int8-gpu:96}; do
     variant=${spec%%:*} batch=${spec##*:}
     echo "$variant bs $batch"
-    timeout "${POINT_LIMIT:-150}" python3 -m herald.bench.throughput --model llada2-mini \
+    timeout "${POINT_LIMIT:-150}" python3 -m herald.bench.throughput --model "${MODEL:-llada2-mini}" \
         --context 32768 --mode "$variant" --batches "$batch" --gpu-memory-gb 80 \
         --out "$OUT/${variant}_$batch" 2>&1 | grep -E "CPU KV pool|tok/s|Error" | sed 's/^/  /'
 done
