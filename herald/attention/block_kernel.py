@@ -146,16 +146,16 @@ def block_attention(
     out = torch.empty_like(q)
     if prefix.dtype != torch.int32:
         prefix = prefix.to(torch.int32)
+    # the tensors, the scale in log2 units and the strides of each [., ., ., D] tensor
+    args = (
+        q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
+        *q.stride()[:3], *k_store.stride()[:3], *v_store.stride()[:3], *out.stride()[:3],
+    )  # fmt: skip
+    launch = {"num_warps": num_warps, "num_stages": num_stages}
     if causal_block and not split_keys:
         kern.block_causal_prefill[(bs, hkv, length // qt)](
-            q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
-            q.stride(0), q.stride(1), q.stride(2),
-            k_store.stride(0), k_store.stride(1), k_store.stride(2),
-            v_store.stride(0), v_store.stride(1), v_store.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+            *args, CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d, BLOCK_N=block_n, **launch
+        )
         return out
     if split_keys:
         if causal_block or split_keys % block_n:
@@ -167,14 +167,8 @@ def block_attention(
             block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     kern.block_attention[(bs, hkv, length // qt)](
-        q, k_store, v_store, out, prefix, slot_offset, d**-0.5 * math.log2(math.e),
-        q.stride(0), q.stride(1), q.stride(2),
-        k_store.stride(0), k_store.stride(1), k_store.stride(2),
-        v_store.stride(0), v_store.stride(1), v_store.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        L=length, DRAFT_B=draft_block, CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d,
-        BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        *args, L=length, DRAFT_B=draft_block, CAUSAL_B=causal_block, G=hq // hkv, QT=qt, D=d,
+        BLOCK_N=block_n, **launch,
     )  # fmt: skip
     return out
 
