@@ -9,12 +9,14 @@ batch. Reported: prefill tokens/s = prompt tokens over the engine's own prefill 
 copy to the CPU pool and the first block's selection, synchronised), and the wall time until the
 last request joined. ``--triton 0,1`` measures with herald's Triton kernels off and on in the
 same process (``HERALD_TRITON``), ``--prefill-attention sdpa,triton`` with the prefill chunks'
-attention on either path (``HERALD_PREFILL_ATTENTION``); every combination, in the order given.
+attention on either path (``HERALD_PREFILL_ATTENTION``), ``--chunk-tokens 4096,16384`` with
+prompts prefilled in pieces of each size; every combination, in the order given.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -31,11 +33,19 @@ from herald.models.loader import load_model
 
 
 def measure(
-    model: BlockDiffusionLM, config: ModelConfig, mode: str, prompt_len: int, requests: int
+    model: BlockDiffusionLM,
+    config: ModelConfig,
+    mode: str,
+    prompt_len: int,
+    requests: int,
+    chunk_tokens: int = EngineConfig.prefill_chunk_tokens,
 ) -> dict[str, object]:
     """One mode and prompt length: tokens/s of the real prefill (see the module docstring)."""
     engine_config = EngineConfig(
-        max_batch_size=requests, max_seq_len=prompt_len + 64, offload=offload_for_mode(mode)
+        max_batch_size=requests,
+        max_seq_len=prompt_len + 64,
+        prefill_chunk_tokens=chunk_tokens,
+        offload=offload_for_mode(mode),
     )
     eng = build_engine(model, config, engine_config)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -65,6 +75,7 @@ def measure(
     return {
         "mode": mode,
         "prompt_tokens": prompt_len,
+        "prefill_chunk_tokens": chunk_tokens,
         "requests": requests,
         "prefill_tokens": tokens,
         "prefill_seconds": secs,
@@ -90,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         help="HERALD_PREFILL_ATTENTION values to measure, e.g. sdpa,triton (default: this "
         "process's setting)",
     )
+    p.add_argument(
+        "--chunk-tokens",
+        default=str(EngineConfig.prefill_chunk_tokens),
+        help="prompt tokens per prefill forward (EngineConfig.prefill_chunk_tokens), a list to "
+        "measure each, e.g. 4096,16384 (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,23 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for switch in switches:
         with overridden(switch):
-            for mode in a.modes.split(","):
-                for n in (int(s) for s in a.prompts.split(",")):
-                    rec = {
-                        "model": a.model,
-                        "triton": switch["HERALD_TRITON"],
-                        "prefill_attention": switch["HERALD_PREFILL_ATTENTION"],
-                        **measure(model, config, mode, n, a.requests),
-                    }
-                    if a.out is not None:  # each record as it comes: a cut run keeps them
-                        append_jsonl(a.out / "prefill.jsonl", [rec])
-                    tps = rec["prefill_tokens_per_s"]
-                    print(
-                        f"triton={rec['triton']} prefill_attention={rec['prefill_attention']} "
-                        f"{mode:8s} {n:6d} tokens x {a.requests}: {tps:10.0f} tok/s prefill, "
-                        f"all joined after {rec['wall_until_all_joined_s']:.2f} s",
-                        flush=True,
-                    )
+            for mode, n, chunk in itertools.product(
+                a.modes.split(","),
+                (int(x) for x in a.prompts.split(",")),
+                (int(x) for x in a.chunk_tokens.split(",")),
+            ):
+                rec = {
+                    "model": a.model,
+                    "triton": switch["HERALD_TRITON"],
+                    "prefill_attention": switch["HERALD_PREFILL_ATTENTION"],
+                    **measure(model, config, mode, n, a.requests, chunk),
+                }
+                if a.out is not None:  # each record as it comes: a cut run keeps them
+                    append_jsonl(a.out / "prefill.jsonl", [rec])
+                tps = rec["prefill_tokens_per_s"]
+                print(
+                    f"triton={rec['triton']} prefill_attention={rec['prefill_attention']} "
+                    f"{mode:8s} {n:6d} tokens x {a.requests} (chunks of {chunk}): {tps:10.0f} "
+                    f"tok/s prefill, all joined after {rec['wall_until_all_joined_s']:.2f} s",
+                    flush=True,
+                )
     return 0
 
 

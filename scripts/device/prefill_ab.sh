@@ -12,7 +12,9 @@
 # prefill.jsonl (each record names its prefill_attention), prefill_ab.log.
 # The working tree that travels is capped at 64 MiB: move results/ and checkpoints/ out first.
 # Env: SKIP_TESTS=1 skips step 1; QUICK=1 times only the default tile in step 2; SIDES (the
-# order of step 3's sides, "sdpa,triton").
+# order of step 3's sides, "sdpa,triton"); CHUNKS (step 3's prompt tokens per prefill forward,
+# a list: "4096"; with Triton a chunk length costs no compilation, so e.g. SIDES=triton
+# CHUNKS=4096,16384 asks whether longer chunks prefill faster).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -31,5 +33,6 @@ timeout 160 python3 scripts/diagnostics/prefill_attention_bench.py "${quick[@]}"
 echo "prefill attention bench exit ${PIPESTATUS[0]}"
 timeout 300 python3 -m herald.bench.prefill --model llada2-mini --modes dense,herald \
   --prompts 4096,16384,32768 --requests 4 --prefill-attention "${SIDES:-sdpa,triton}" \
+  --chunk-tokens "${CHUNKS:-4096}" \
   --out "$OUT" 2>&1 | grep -v "^USDT" | tee "$OUT/prefill_ab.log" | grep -E "tok/s|Error"
 echo "bench prefill exit ${PIPESTATUS[0]}"
