@@ -193,8 +193,11 @@ def _check_engine(eng, recorder, store, hkv: int, head_dim: int, device: str) ->
                     gq = q.shape[2] // hkv
                     for h in range(hkv):
                         x = q[r, 0, h * gq : (h + 1) * gq]
-                        imp = _int8_importance(x, kk[h], tail[h])
-                        _check_topk(idx[r, h], imp, k_sel)
+                        # the spec quantizes where the copy is (as the store check above)
+                        imp = _int8_importance(
+                            x.to(device), kk[h].to(device), tail[h].to(device)
+                        ).cpu()
+                        _check_topk(idx[r, h].cpu(), imp, k_sel)
                     checked += 1
     return checked, synced
 
