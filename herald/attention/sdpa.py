@@ -13,6 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from herald.attention.masks import block_causal_chunk_mask
 from herald.env import settings
 
 
@@ -58,6 +59,32 @@ def sdpa_gqa(
             q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
         )
     return o.transpose(1, 2)
+
+
+CPU_PREFILL_TILE = 512
+"""Query positions per SDPA call of a block-causal prefill chunk on the CPU (rounded down to
+whole blocks): each tile attends only to the keys up to its own last block, so the chunk's
+masked upper triangle is mostly never computed (a 4,096-token chunk from position 0 on one
+core: 0.80 s per layer of code-sdar's heads against 1.45 s in one call)."""
+
+
+def sdpa_block_causal(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, block: int
+) -> torch.Tensor:
+    """A prefill chunk of one request: q [1, L, Hq, D] at store rows ``[start, start + L)``
+    (``start`` a whole number of blocks) against keys/values [1, Hkv, S, D], S >= start + L; query t
+    sees keys ``< start + (t // block + 1) * block``. On CUDA one call with the chunk's mask; on
+    the CPU in tiles of :data:`CPU_PREFILL_TILE` queries, each over its visible keys only.
+    Returns [1, L, Hq, D]."""
+    length = q.shape[1]
+    tile = length if q.is_cuda else max(block, CPU_PREFILL_TILE // block * block)
+    outs = []
+    for s in range(0, length, tile):
+        e = min(length, s + tile)
+        kv_len = start + e
+        mask = block_causal_chunk_mask(start + s, e - s, block, kv_len, q.device)
+        outs.append(sdpa_gqa(q[:, s:e], keys[:, :, :kv_len], values[:, :, :kv_len], mask))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def configure_sdpa_backends() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from herald.attention.block_kernel import block_attention, block_attention_available
-from herald.attention.masks import block_causal_chunk_mask, draft_group_mask, key_mask
-from herald.attention.sdpa import padded_kv_len, sdpa_folded, sdpa_gqa
+from herald.attention.masks import draft_group_mask, key_mask
+from herald.attention.sdpa import padded_kv_len, sdpa_block_causal, sdpa_folded
 from herald.config import check_kv_pad
 
 
@@ -159,11 +159,8 @@ class SlotAttention:
             )  # fmt: skip
         if self._block_size is not None:
             # Prefill chunks are one request each, so the batch is uniform.
-            assert self._uniform is not None
-            mask = block_causal_chunk_mask(
-                self._uniform, self._length, self._block_size, self._kv_len, self.device
-            )
-            return sdpa_gqa(q, keys, values, mask)
+            assert self._uniform is not None and q.shape[0] == 1
+            return sdpa_block_causal(q, keys, values, self._uniform, self._block_size)
         if not self._draft:
             return sdpa_folded(q, keys, values, self._key_mask(self._length))
         return self._draft_forward(q, keys, values)
