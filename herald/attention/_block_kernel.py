@@ -45,14 +45,10 @@ def block_attention(
     lo_end, hi_start, hi_end = _visible_keys(p, t0, L, DRAFT_B, CAUSAL_B)
     loop_end = tl.maximum(lo_end, hi_end)
 
-    offs_m = tl.arange(0, QT * G)  # folded query rows: position-major, then head in group
-    pos = t0 + offs_m // G
-    head = kvh * G + offs_m % G
-    offs_d = tl.arange(0, D)
-    q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
-    slot = (slot_offset + row).to(tl.int64)
-    k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+    offs_m, pos, head, offs_d, q, k_base, v_base = _load_tile(
+        q_ptr, k_ptr, v_ptr, row, kvh, t0, slot_offset, stride_qb, stride_ql, stride_qh,
+        stride_ks, stride_kh, stride_vs, stride_vh, QT * G, G, D,
+    )  # fmt: skip
 
     m_i, l_i, acc = _attend_keys(
         q, k_base, v_base, offs_d, 0, loop_end, lo_end, hi_start, hi_end, qk_scale,
@@ -104,14 +100,10 @@ def block_causal_prefill(
     end = tl.load(prefix_ptr + row) + (t0 // CAUSAL_B + 1) * CAUSAL_B
     full = end - end % BLOCK_N
 
-    offs_m = tl.arange(0, QT * G)
-    pos = t0 + offs_m // G
-    head = kvh * G + offs_m % G
-    offs_d = tl.arange(0, D)
-    q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
-    slot = (slot_offset + row).to(tl.int64)
-    k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+    offs_m, pos, head, offs_d, q, k_base, v_base = _load_tile(
+        q_ptr, k_ptr, v_ptr, row, kvh, t0, slot_offset, stride_qb, stride_ql, stride_qh,
+        stride_ks, stride_kh, stride_vs, stride_vh, QT * G, G, D,
+    )  # fmt: skip
     m_i = tl.full((QT * G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((QT * G,), dtype=tl.float32)
     acc = tl.zeros((QT * G, D), dtype=tl.float32)
@@ -218,6 +210,26 @@ def _attend_keys(
 
 
 @triton.jit
+def _load_tile(
+    q_ptr, k_ptr, v_ptr, row, kvh, t0, slot_offset, stride_qb, stride_ql, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh, QG: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr,
+):  # fmt: skip
+    """A program's tile: its ``QG`` folded query rows (position-major, then head in the group)
+    from query position ``t0`` of batch row ``row``, their positions and heads, the head-dim
+    offsets, the rows' queries [QG, D], and the bases of the (slot, KV head)'s keys and values."""
+    offs_m = tl.arange(0, QG)
+    pos = t0 + offs_m // G
+    head = kvh * G + offs_m % G
+    offs_d = tl.arange(0, D)
+    q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
+    slot = (slot_offset + row).to(tl.int64)
+    k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+    return offs_m, pos, head, offs_d, q, k_base, v_base
+
+
+@triton.jit
 def _rows(base, row, pos, head, offs_d, stride_b, stride_l, stride_h):
     """Pointers to the folded rows (position, head) of batch row ``row`` of a [bs, L, H, D]
     tensor."""
@@ -268,14 +280,10 @@ def block_attention_split(
     start = split * SPLIT_N
     end = tl.minimum(start + SPLIT_N, tl.maximum(lo_end, hi_end))
     if start < end:  # splits past the row's keys are never read by the combine
-        offs_m = tl.arange(0, QT * G)
-        pos = t0 + offs_m // G
-        head = kvh * G + offs_m % G
-        offs_d = tl.arange(0, D)
-        q = tl.load(_rows(q_ptr, row, pos, head, offs_d, stride_qb, stride_ql, stride_qh))
-        slot = (slot_offset + row).to(tl.int64)
-        k_base = k_ptr + slot * stride_ks + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + slot * stride_vs + kvh.to(tl.int64) * stride_vh
+        offs_m, pos, head, offs_d, q, k_base, v_base = _load_tile(
+            q_ptr, k_ptr, v_ptr, row, kvh, t0, slot_offset, stride_qb, stride_ql, stride_qh,
+            stride_ks, stride_kh, stride_vs, stride_vh, QT * G, G, D,
+        )  # fmt: skip
         m_i, l_i, acc = _attend_keys(
             q, k_base, v_base, offs_d, start, end, lo_end, hi_start, hi_end, qk_scale,
             stride_kn, stride_vn, QT * G, D, BLOCK_N,

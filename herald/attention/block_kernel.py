@@ -60,6 +60,14 @@ def query_tile(
     return min(qt, limit)
 
 
+STEP_TILE = {
+    "rows": FOLDED_ROWS,
+    "block_n": BLOCK_N,
+    "num_warps": NUM_WARPS,
+    "num_stages": NUM_STAGES,
+}
+"""Launch parameters of denoising steps, commits and draft groups (the module's constants)."""
+
 PREFILL_TILE = {"rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 """Launch parameters of block-causal prefill chunks (:func:`block_attention` with
 ``causal_block``): folded query rows per program, keys per chunk, warps, pipeline stages. Those
@@ -91,7 +99,7 @@ def block_attention_available(
         return False
     d = q.shape[-1]
     g = q.shape[2] // k_store.shape[1]
-    rows = PREFILL_TILE["rows"] if prefill else FOLDED_ROWS
+    rows = (PREFILL_TILE if prefill else STEP_TILE)["rows"]
     qt = query_tile(q.shape[2], k_store.shape[1], q.shape[1], block, rows)
     return d >= 16 and d & (d - 1) == 0 and qt * g >= 16 and k_store.stride(-1) == 1
 
@@ -117,7 +125,7 @@ def block_attention(
     row's slot. ``split_keys``: keys per program (0, the default: one program streams all of a
     row's keys). ``block_n``, ``num_warps``, ``num_stages`` and ``rows`` (folded query rows per
     program) default to :data:`PREFILL_TILE`'s for a block-causal chunk, else to
-    :data:`BLOCK_N`, :data:`NUM_WARPS`, :data:`NUM_STAGES` and :data:`FOLDED_ROWS`. A
+    :data:`STEP_TILE`'s. A
     block-causal chunk runs its own kernel (``block_causal_prefill``): no per-key visibility
     tests, and one compilation for every chunk length.
 
@@ -134,9 +142,7 @@ def block_attention(
         raise ValueError(f"a draft group has 2B queries: got L={length}, B={draft_block}")
     if causal_block and (length % causal_block or draft_block):
         raise ValueError(f"a block-causal chunk is whole blocks: L={length}, B={causal_block}")
-    tile = PREFILL_TILE if causal_block else {
-        "rows": FOLDED_ROWS, "block_n": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
-    }  # fmt: skip
+    tile = PREFILL_TILE if causal_block else STEP_TILE
     rows = tile["rows"] if rows is None else rows
     block_n = tile["block_n"] if block_n is None else block_n
     num_warps = tile["num_warps"] if num_warps is None else num_warps
