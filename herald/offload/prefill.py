@@ -1,11 +1,14 @@
 """Prefill in the offloading engine: the prompt forward, its KV to the stores, the first selection.
 
 A prompt is prefilled on the GPU, in chunks over one or more block boundaries, into a temporary
-store holding every layer's full KV ``[1, Hkv, S + B, D]`` (:class:`PromptPrefill`). When its last
+store holding every layer's full KV ``[1, Hkv, S + B, D]`` (:class:`PromptPrefill`). The
+offloaded layers' KV of each prompt block goes to the request's CPU pages (the selection reads it
+there later) as soon as a chunk's forward has completed the block: on CUDA, copied on a side
+stream and written into the pages by the CPU while the next chunk's forward runs. When its last
 chunk has run and it joins the batch (slot ``slot``):
 
 - the first ``num_dense_layers`` layers' KV goes to the dense store's slot;
-- every other layer's KV goes to the request's CPU pages (the selection reads it there later);
+- the last chunk's blocks reach the CPU pages (their copy overlapping the first selection);
 - the policy takes what it keeps of the prompt (InfiniGen: the proxy channels of the keys);
 - the first block's selection runs exactly, with its B [MASK] queries, on the GPU while the
   prompt KV is still there (HERALD §IV-B2), filling the active pool's selected rows and the last
@@ -14,7 +17,8 @@ chunk has run and it joins the batch (slot ``slot``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -22,7 +26,6 @@ from herald.attention.base import QueryRecorder
 from herald.attention.slots import SlotAttention
 from herald.engine.request import Request
 from herald.engine.scheduler import PrefillChunk
-from herald.kv.pinned import host_wait
 from herald.offload.selection.compact_cpu import update_compact
 from herald.offload.selection.cpu import scatter_blocks
 from herald.offload.selection.gpu_topk import select_topk_rows
@@ -31,7 +34,20 @@ if TYPE_CHECKING:
     from herald.offload.engine import OffloadEngine
 
 _STAGING_BYTES = 256 * 1024**2
-"""Pinned staging for a prompt's KV on its way to the CPU pool (a few layers per copy)."""
+"""Pinned staging for a prompt's KV on its way to the CPU pool: at least this, or one prefill
+forward's blocks of every offloaded layer if more, up to :data:`_STAGING_MAX_BYTES`."""
+_STAGING_MAX_BYTES = 1024**3
+
+
+class _PendingCopy(NamedTuple):
+    """Prompt blocks on their way to the CPU pool: ``host`` ``[L', 2, n, Hkv, B, D]`` (pinned
+    staging, complete once ``event`` fired; None on the CPU) for pool pages ``pages``; ``rows``
+    the device tensor the copy reads, held until then."""
+
+    host: torch.Tensor
+    pages: torch.Tensor
+    event: torch.cuda.Event | None
+    rows: torch.Tensor
 
 
 class PromptPrefill:
@@ -43,10 +59,17 @@ class PromptPrefill:
         self.tk: list[torch.Tensor] = []
         self.tv: list[torch.Tensor] = []
         self.temp: SlotAttention | None = None
+        self.offloaded = 0  # prompt blocks whose KV went to the CPU pool (or is on its way)
+        self._pending: _PendingCopy | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     def drop(self) -> None:
         """Free the temporary store (the request joined, was aborted, or failed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.event is not None:
+            pending.event.synchronize()  # the copy reads the store being freed
         self.request, self.tk, self.tv, self.temp = None, [], [], None
+        self.offloaded = 0
 
     def run_chunk(self, chunk: PrefillChunk) -> None:
         """Prompt tokens ``[chunk.start, chunk.end)`` forward into the temporary store."""
@@ -65,11 +88,14 @@ class PromptPrefill:
         assert self.temp is not None
         ids = torch.tensor(req.prompt_ids[chunk.start : chunk.end], dtype=torch.long)
         ids = ids.to(core.device)
+        s = req.layout.num_prefill_tokens
         for c in range(chunk.start, chunk.end, core.prefill_chunk):
             e = min(chunk.end, c + core.prefill_chunk)
             self.temp.prepare([c], e - c, block_size=b)
             pos = torch.arange(c, e, device=core.device)[None]
             core.model(ids[None, c - chunk.start : e - chunk.start], pos, self.temp)
+            # The blocks this forward completed go to the CPU pool while the next one runs.
+            self._offload(req, min(e, s) // b)
 
     def finish(self, req: Request, slot: int) -> tuple[int, int]:
         """The prefilled prompt's KV to the stores and the first block's selection (see the
@@ -81,47 +107,76 @@ class PromptPrefill:
         if s == 0:
             return 0, 0
         assert self.temp is not None and self.request is req
-        self._to_stores(req, slot, s)
-        self.core.policy.on_prompt_keys(slot, {i: t[0, :, :s] for i, t in enumerate(self.tk)})
-        return self._first_selection(req, slot, s)
-
-    def _to_stores(self, req: Request, slot: int, s: int) -> None:
         core = self.core
-        b, nd = core.block_size, core.num_dense
-        for layer in range(nd):
+        for layer in range(core.num_dense):
             core.dense_k[layer][slot, :, :s] = self.tk[layer][0, :, :s]  # type: ignore[index]
             core.dense_v[layer][slot, :, :s] = self.tv[layer][0, :, :s]  # type: ignore[index]
-        nblk = s // b
-        if not nblk:
-            return
-        pages = core.kv.pages(req.request_id)[:nblk]
-        idx = torch.tensor(pages, dtype=torch.long)
+        self._offload(req, s // core.block_size)  # normally sent by the last chunk already
+        core.policy.on_prompt_keys(slot, {i: t[0, :, :s] for i, t in enumerate(self.tk)})
+        selected = self._first_selection(req, slot, s)
+        self._flush()  # the last copy ran beside the first selection's forward
+        return selected
+
+    # -- the prompt's KV to the CPU pool --------------------------------------------------------
+    def _offload(self, req: Request, upto: int) -> None:
+        """Prompt blocks ``[offloaded, upto)`` of the offloaded layers to the request's CPU
+        pages: in the pages' layout on the device, one copy into pinned staging, one scatter
+        on the selection kernel's threads. On CUDA the copy goes on a side stream and is left
+        in flight: the scatter runs at the next call (after the next chunk's forward was
+        queued, so the CPU writes the pages while the GPU computes) or at :meth:`_flush`."""
+        core, b = self.core, self.core.block_size
         store = core.cpu_pool.storage  # [L', 2, pages, Hkv, B, D]
-        hkv, d = store.shape[3], store.shape[5]
-        # A few offloaded layers at a time: their K and V in the pages' layout on the device,
-        # one copy into pinned staging, one scatter on the selection kernel's threads (a
-        # pageable copy and an OpenMP index_copy_ per layer and tensor took ~0.1-0.3 s for a
-        # 16K-token prompt, the bulk of a join).
-        layer_bytes = 2 * nblk * hkv * b * d * store.element_size()
-        group = max(1, min(store.shape[0], _STAGING_BYTES // layer_bytes))
-        for l0 in range(0, store.shape[0], group):
-            l1 = min(store.shape[0], l0 + group)
-            n = nblk * b
-            kv = [torch.stack([self.tk[nd + pl][0, :, :n], self.tv[nd + pl][0, :, :n]])
-                  for pl in range(l0, l1)]  # fmt: skip
-            rows = torch.stack(kv)  # [g, 2, Hkv, nblk * B, D]
-            rows = rows.view(l1 - l0, 2, hkv, nblk, b, d).transpose(2, 3).to(store.dtype)
-            if core.cuda:
-                numel = max(rows.numel(), _STAGING_BYTES // store.element_size())
-                host = core.staging("prompt_kv", numel).take(rows.shape)
-                host.copy_(rows, non_blocking=True)
-                # NOTE: copy-before-read: the scatter reads the staging after the copy is done.
-                host_wait(torch.cuda.current_stream(core.device))
-            else:
-                host = rows.contiguous()
-            scatter_blocks(store[l0:l1], 2, idx, host, num_threads=core.selection_threads)
-        # The prompt's K is in the pages (host copies): its int8 copy, if kept.
-        update_compact(core.cpu_pool, pages, core.selection_threads)
+        per_block = store[:, :, 0].numel() * store.element_size()
+        chunk_blocks = max(1, core.prefill_chunk // b)
+        cap = min(_STAGING_MAX_BYTES, max(_STAGING_BYTES, per_block * chunk_blocks))
+        most = max(1, cap // per_block)
+        while self.offloaded < upto:
+            self._flush()
+            first, self.offloaded = self.offloaded, min(upto, self.offloaded + most)
+            self._send(req, first, self.offloaded, cap)
+        if not core.cuda:
+            self._flush()
+
+    def _send(self, req: Request, first: int, end: int, cap: int) -> None:
+        core, b, nd = self.core, self.core.block_size, self.core.num_dense
+        store = core.cpu_pool.storage
+        hkv, d, n = store.shape[3], store.shape[5], end - first
+        pages = torch.tensor(core.kv.pages(req.request_id)[first:end], dtype=torch.long)
+        cur = torch.cuda.current_stream(core.device) if core.cuda else None
+        if cur is not None:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(core.device)
+            self._stream.wait_stream(cur)  # the forward that wrote these blocks
+        with torch.cuda.stream(self._stream) if cur is not None else nullcontext():
+            r0, r1 = first * b, end * b
+            rows = torch.stack([torch.stack([self.tk[nd + pl][0, :, r0:r1],
+                                             self.tv[nd + pl][0, :, r0:r1]])
+                                for pl in range(store.shape[0])])  # fmt: skip
+            # [L', 2, Hkv, n * B, D] -> the pages' layout [L', 2, n, Hkv, B, D]
+            rows = rows.view(-1, 2, hkv, n, b, d).transpose(2, 3).to(store.dtype)
+            if cur is None:
+                self._pending = _PendingCopy(rows.contiguous(), pages, None, rows)
+                return
+            staging = core.staging("prompt_kv", cap // store.element_size())
+            host = staging.take(rows.shape)
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event(blocking=True)  # sleep while waiting (host_wait)
+            event.record(self._stream)
+        # NOTE: ``rows`` (allocated on the side stream) is kept until the copy completed.
+        self._pending = _PendingCopy(host, pages, event, rows)
+
+    def _flush(self) -> None:
+        """Complete the copy in flight: wait for it, scatter the staging into the pages and
+        refresh their int8 copy (if the pool keeps one)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        core = self.core
+        if pending.event is not None:
+            pending.event.synchronize()  # NOTE: copy-before-read of the staging
+        scatter_blocks(core.cpu_pool.storage, 2, pending.pages, pending.host,
+                       num_threads=core.selection_threads)  # fmt: skip
+        update_compact(core.cpu_pool, pending.pages, core.selection_threads)
 
     def _first_selection(self, req: Request, slot: int, s: int) -> tuple[int, int]:
         """The first block's B queries, exact over the full prompt KV, on the model device."""
