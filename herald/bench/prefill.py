@@ -7,7 +7,7 @@ counted), then ``--requests`` prompts queued at once and stepped until all have 
 batch. Reported: prefill tokens/s = prompt tokens over the engine's own prefill time
 (``EngineStats.prefill_seconds``: each chunk's forward, the KV writes, for offloading modes the
 copy to the CPU pool and the first block's selection, synchronised), and the wall time until the
-last request joined. ``--triton 0,1`` measures with herald's Triton kernels off and on in the
+last request joined. ``--triton 0,auto`` measures with herald's Triton kernels off and on in the
 same process (``HERALD_TRITON``), ``--prefill-attention sdpa,triton`` with the prefill chunks'
 attention on either path (``HERALD_PREFILL_ATTENTION``), ``--chunk-tokens 4096,16384`` with
 prompts prefilled in pieces of each size; every combination, in the order given.
@@ -26,7 +26,7 @@ import torch
 from herald.bench.common import append_jsonl, random_prompts
 from herald.config import EngineConfig, SamplingParams
 from herald.engines import MODES, build_engine, offload_for_mode
-from herald.env import overridden, settings
+from herald.env import PREFILL_ATTENTION_CHOICES, TRITON_CHOICES, overridden, settings
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
 from herald.models.loader import load_model
@@ -84,22 +84,55 @@ def measure(
     }
 
 
+def _choices(
+    p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]
+) -> list[str]:
+    items = [x.strip().lower() for x in value.split(",")]
+    for x in items:
+        if x not in allowed:
+            p.error(f"{flag}: {x!r} is not one of {', '.join(allowed)}")
+    return items
+
+
+def _sizes(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        p.error(f"{flag} takes comma-separated token counts, got {value!r}")
+    if min(sizes) < 1:
+        p.error(f"{flag}: token counts must be >= 1, got {value!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m herald.bench.prefill", description=__doc__)
-    p.add_argument("--model", default="llada2-mini", help="random-weight preset")
-    p.add_argument("--modes", default="dense,herald", help=f"comma-separated of {MODES}")
-    p.add_argument("--prompts", default="4096,16384,32768", help="prompt lengths")
-    p.add_argument("--requests", type=int, default=4, help="prompts queued at once")
+    p.add_argument(
+        "--model",
+        default="llada2-mini",
+        help="a preset (random weights at full size) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--modes", default="dense,herald", help=f"comma-separated of {MODES} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--prompts",
+        default="4096,16384,32768",
+        help="prompt lengths in tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--requests", type=int, default=4, help="prompts queued at once (default: %(default)s)"
+    )
     p.add_argument(
         "--triton",
         default=None,
-        help="HERALD_TRITON values to measure, e.g. 0,all (default: this process's setting)",
+        help=f"HERALD_TRITON values to measure, of {TRITON_CHOICES}, e.g. 0,auto (default: this "
+        "process's setting)",
     )
     p.add_argument(
         "--prefill-attention",
         default=None,
-        help="HERALD_PREFILL_ATTENTION values to measure, e.g. sdpa,triton (default: this "
-        "process's setting)",
+        help=f"HERALD_PREFILL_ATTENTION values to measure, of {PREFILL_ATTENTION_CHOICES}, e.g. "
+        "sdpa,triton (default: this process's setting)",
     )
     p.add_argument(
         "--chunk-tokens",
@@ -109,25 +142,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
+    now = settings()
+    triton = _choices(p, "--triton", a.triton or now.triton, TRITON_CHOICES)
+    attention = _choices(p, "--prefill-attention", a.prefill_attention or now.prefill_attention,
+                         PREFILL_ATTENTION_CHOICES)  # fmt: skip
+    modes = _choices(p, "--modes", a.modes, MODES)
+    prompts, chunks = _sizes(p, "--prompts", a.prompts), _sizes(p, "--chunk-tokens", a.chunk_tokens)
+    if a.requests < 1:
+        p.error(f"--requests must be >= 1, got {a.requests}")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     model, config, _ = load_model(
         a.model, device="cuda", dtype=torch.bfloat16, random_init_seed=0, block_size=32
     )
-    now = settings()
     switches = [
-        {"HERALD_TRITON": triton, "HERALD_PREFILL_ATTENTION": attention}
-        for triton in (a.triton or now.triton).split(",")
-        for attention in (a.prefill_attention or now.prefill_attention).split(",")
+        {"HERALD_TRITON": t, "HERALD_PREFILL_ATTENTION": at} for t in triton for at in attention
     ]
     for switch in switches:
         with overridden(switch):
-            for mode, n, chunk in itertools.product(
-                a.modes.split(","),
-                (int(x) for x in a.prompts.split(",")),
-                (int(x) for x in a.chunk_tokens.split(",")),
-            ):
+            for mode, n, chunk in itertools.product(modes, prompts, chunks):
                 rec = {
                     "model": a.model,
                     "triton": switch["HERALD_TRITON"],

@@ -155,15 +155,20 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
     big = torch.empty(1, 4, SMALL_STORE_KEYS + 1, 128, device="cuda", dtype=torch.bfloat16)
     assert block_attention_available(q_small, small)  # the default: sparse-pool sized stores
     assert not block_attention_available(q_small, big)
-    assert not block_attention_available(q_small, small, prefill=True)
-    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "triton")  # any store, unless Triton is off
+    # prefill chunks: the kernel on any store by default (auto) and with triton, unless
+    # HERALD_TRITON=0; never with sdpa
+    assert block_attention_available(q_small, big, prefill=True)
+    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "triton")
     assert block_attention_available(q_small, big, prefill=True)
     monkeypatch.setenv("HERALD_TRITON", "0")
+    assert not block_attention_available(q_small, big, prefill=True)
+    monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "auto")
     assert not block_attention_available(q_small, big, prefill=True)
     monkeypatch.setenv("HERALD_TRITON", "all")
     monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "sdpa")
     assert not block_attention_available(q_small, big, prefill=True)
     monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "auto")
+    monkeypatch.setenv("HERALD_TRITON", "auto")
     assert block_attention_available(q_small, big, prefill=True)
 
     k, v = _store(8, 9000)
