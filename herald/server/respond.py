@@ -82,6 +82,14 @@ async def complete(reply: Reply, request: Request) -> Response:
     except Disconnected:
         state.metrics.requests.labels("aborted").inc()
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    except asyncio.CancelledError:
+        # The graceful shutdown ran out of time and cancelled the requests still running (their
+        # engine work was aborted as events() ended): an answer in the API's error shape, not a
+        # bare 500 and a logged traceback.
+        state.metrics.requests.labels("aborted").inc()
+        return error_response(
+            503, "the server shut down before this request finished", code="server_shutting_down"
+        )
     state.metrics.requests.labels("ok").inc()
     out = []
     for c in reply.choices:
