@@ -24,6 +24,7 @@ from herald import __version__
 from herald.cli import generate, serve
 from herald.cli.common import DEFAULT_MODEL, parse_dtype
 from herald.cliargs import check_alias_conflicts, use_help_formatter
+from herald.env import settings
 
 __all__ = ["DEFAULT_MODEL", "build_parser", "main"]
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         leaf.error(f"unrecognized arguments: {' '.join(extra)}")
     check_alias_conflicts(leaf, sys.argv[1:] if argv is None else argv)
     try:
+        settings()  # every HERALD_* switch checked up front, whichever of them the command uses
         return int(args.handler(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

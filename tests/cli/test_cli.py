@@ -175,6 +175,24 @@ def test_settings_are_checked_before_the_model_loads(flags, monkeypatch, capsys)
     assert "ValueError" not in err[0]  # a user error: its message, not its Python class
 
 
+@pytest.mark.parametrize("mode", ["dense", "herald"])
+def test_a_bad_herald_switch_is_refused_in_every_mode(mode, monkeypatch, capsys):
+    """A HERALD_* environment switch with a bad value is named before anything loads, also in
+    a mode that never reads that switch (a typo must not wait for the mode that does)."""
+    from herald.env import settings
+    from herald.models import loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the switches were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    monkeypatch._inner.setenv("HERALD_PREFILL_ATTENTION", "bogus")  # unparsed until main's check
+    settings.cache_clear()
+    assert main(["generate", "--model", "tiny-sdar", "--prompt", "x", "--mode", mode]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HERALD_PREFILL_ATTENTION='bogus'" in err[0], err
+
+
 def test_mask_token_id_beyond_the_vocabulary(capsys):
     """A checkpoint with a real tokenizer (the bundled one) checks no special ids: the CLI checks
     the id against the vocabulary once the model has loaded (it was an IndexError)."""
