@@ -77,10 +77,11 @@ def add_first_pass(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--mode herald only: how the representative query scores the prefix. none (default): "
         "the CPU kernel over every key in bf16, exact; int8: an int8 copy of K in the CPU pool "
-        "scanned first, exact indices (rarely faster); int8-gpu: an int8 copy of K on the GPU "
-        "(max batch x max length x KV heads x (head_dim + 4) bytes per offloaded layer), scored "
-        "there, the CPU only storing the KV: approximate (the top-k of the int8 importances; "
-        "needs --kernel-output selected, the default)",
+        "scanned first, exact indices (rarely faster); int8-gpu: an int8 copy of K on the model's "
+        "device (max batch x max length x KV heads x (head_dim + 4) bytes per offloaded layer; "
+        "on the GPU, or with --device cpu in CPU memory), scored there, the CPU pool only "
+        "storing the KV: approximate (the top-k of the int8 importances; needs the selected "
+        "kernel output, the default)",
     )
 
 

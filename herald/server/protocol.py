@@ -111,7 +111,10 @@ class _Common(BaseModel):
     @classmethod
     def _only_one(cls, v: int) -> int:
         if v != 1:
-            raise ValueError("only n = 1 is supported (send a list of prompts for several)")
+            raise ValueError(
+                "only n = 1 is supported: send the request n times (a completion also takes a "
+                "list of prompts)"
+            )
         return v
 
     @field_validator("stop")
