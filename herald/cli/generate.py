@@ -26,6 +26,7 @@ from herald.cli.common import (
 )
 from herald.cliargs import token_count
 from herald.config import EngineConfig, OffloadConfig, SamplingParams, check_kv_pad, resolve_device
+from herald.engine.request import RequestStatus
 from herald.engines import MODES
 
 
@@ -234,9 +235,13 @@ def _decode(engine: Any, ids: list[int], params: SamplingParams, quiet: bool) ->
     from tqdm import tqdm
 
     req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
-    bar = tqdm(
-        total=params.max_new_tokens, unit="tok", disable=quiet, file=sys.stderr, desc="decoding"
-    )
+    opts: dict[str, Any] = {"unit": "tok", "disable": quiet, "file": sys.stderr}
+    if req.layout.num_prefill_tokens:  # the prompt's whole blocks, then the decoding
+        with tqdm(total=req.layout.num_prefill_tokens, desc="prefill", **opts) as pre:
+            while engine.has_unfinished() and req.status is RequestStatus.WAITING:
+                engine.step()
+                pre.update(min(pre.total, engine.stats.num_prefill_tokens) - pre.n)
+    bar = tqdm(total=params.max_new_tokens, desc="decoding", **opts)
     while engine.has_unfinished():
         engine.step()
         bar.update(max(0, len(req.output_ids) - bar.n))
