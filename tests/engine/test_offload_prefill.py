@@ -73,3 +73,61 @@ def test_prompt_kv_reaches_the_cpu_pages_chunk_by_chunk(monkeypatch, device, fir
     assert sorted(checked) == sorted(r.request_id for r in reqs)
     assert all(len(r.output_ids) == 40 for r in reqs)
     assert extra.output_ids == [] and eng.cpu_pool.num_used_pages == 0
+
+
+class _Recorder:
+    """Keeps every layer's queries of one forward."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.q = inner, {}
+
+    def forward(self, layer_id, q, k, v):
+        self.q[layer_id] = q
+        return self.inner.forward(layer_id, q, k, v)
+
+
+@pytest.mark.parametrize("preset", ["tiny-sdar", "tiny-llada2"])
+def test_first_block_queries_from_the_last_chunk_equal_a_forward_of_their_own(
+    monkeypatch, preset
+):
+    """The first selection's B queries, taken as the last rows of the prompt's last prefill
+    forward, equal (to rounding) those of a forward of the first block alone over the prefilled
+    prompt, and select the same rows, for prompts whose last piece is a whole chunk, a part of
+    one, and a single block."""
+    from herald.offload.selection.gpu_topk import select_topk_rows
+
+    config = get_preset(preset)
+    model = build_model(config, device="cpu", dtype=torch.bfloat16, seed=2)
+    seen: list[int] = []
+    finish = PromptPrefill.finish
+
+    def finish_and_compare(self, req, slot):
+        out = finish(self, req, slot)
+        core, b = self.core, self.core.block_size
+        s = req.layout.num_prefill_tokens
+        rec = _Recorder(self.temp)
+        self.temp.prepare([s], b)
+        core.model(core.batch.fresh_block(req)[0][None], torch.arange(s, s + b)[None], rec)
+        k, last = core.budget_for(s), b
+        for layer in core.pool.layers:
+            got, want = self.first_q[layer][0].float(), rec.q[layer][0].float()
+            assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (layer, (got - want).abs().max())
+            keys = self.tk[layer][0]
+            rows = [select_topk_rows(q[layer][0], keys, s + b, last + b, k)
+                    for q in (self.first_q, rec.q)]  # fmt: skip
+            assert torch.equal(rows[0].sort(-1).values, rows[1].sort(-1).values), layer
+        seen.append(s)
+        return out
+
+    monkeypatch.setattr(PromptPrefill, "finish", finish_and_compare)
+    cfg = OffloadConfig.for_mode("herald", kv_budget=0.25, selection_threads=2)
+    eng = make_engine(model, config, cfg, max_batch_size=3, max_seq_len=512,
+                      prefill_chunk_tokens=128)  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(max_new_tokens=32, num_denoise_steps=2, ignore_eos=True)
+    for n in (256 + 5, 300, 40):  # last piece: a whole 128-token chunk; one block; the prompt
+        eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), params)
+    while eng.has_unfinished():
+        eng.step()
+    eng.close()
+    assert sorted(seen) == [32, 256, 288]
