@@ -168,7 +168,7 @@ def test_block_attention_matches_sdpa_on_cuda(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "sdpa")
     assert not block_attention_available(q_small, big, prefill=True)
     monkeypatch.setenv("HERALD_PREFILL_ATTENTION", "auto")
-    monkeypatch.setenv("HERALD_TRITON", "auto")
+    monkeypatch.setenv("HERALD_TRITON", "all")  # from here on: the kernel on every store
     assert block_attention_available(q_small, big, prefill=True)
 
     k, v = _store(8, 9000)
