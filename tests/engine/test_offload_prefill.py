@@ -31,7 +31,8 @@ def _check_pages(prefill: PromptPrefill, req) -> None:
     if compact is not None:
         q8, scales = compact.q8[:, pages].clone(), compact.scales[:, pages].clone()
         update_compact(core.cpu_pool, pages)
-        assert torch.equal(compact.q8[:, pages], q8) and torch.equal(compact.scales[:, pages], scales)
+        assert torch.equal(compact.q8[:, pages], q8)
+        assert torch.equal(compact.scales[:, pages], scales)
 
 
 @pytest.mark.parametrize(
@@ -87,9 +88,7 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("preset", ["tiny-sdar", "tiny-llada2"])
-def test_first_block_queries_from_the_last_chunk_equal_a_forward_of_their_own(
-    monkeypatch, preset
-):
+def test_first_block_queries_from_the_last_chunk_equal_a_forward_of_their_own(monkeypatch, preset):
     """The first selection's B queries, taken as the last rows of the prompt's last prefill
     forward, equal (to rounding) those of a forward of the first block alone over the prefilled
     prompt, and select the same rows, for prompts whose last piece is a whole chunk, a part of
@@ -111,7 +110,8 @@ def test_first_block_queries_from_the_last_chunk_equal_a_forward_of_their_own(
         k, last = core.budget_for(s), b
         for layer in core.pool.layers:
             got, want = self.first_q[layer][0].float(), rec.q[layer][0].float()
-            assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (layer, (got - want).abs().max())
+            err = (got - want).abs().max()
+            assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (layer, err)
             keys = self.tk[layer][0]
             rows = [select_topk_rows(q[layer][0], keys, s + b, last + b, k)
                     for q in (self.first_q, rec.q)]  # fmt: skip
