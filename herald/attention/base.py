@@ -46,3 +46,17 @@ class AttentionBackend(Protocol):
             ``h // (num_heads // num_kv_heads)``.
         """
         ...
+
+
+class QueryRecorder:
+    """Wraps a backend and keeps each layer's queries (the first block's exact selection)."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.q: dict[int, torch.Tensor] = {}
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.q[layer_id] = q
+        return self.inner.forward(layer_id, q, k, v)

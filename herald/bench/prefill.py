@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
-    now = settings()
+    try:
+        now = settings()
+    except ValueError as e:  # a bad HERALD_* switch in the environment
+        p.error(str(e))
     triton = _choices(p, "--triton", a.triton or now.triton, TRITON_CHOICES)
     attention = _choices(p, "--prefill-attention", a.prefill_attention or now.prefill_attention,
                          PREFILL_ATTENTION_CHOICES)  # fmt: skip

@@ -11,8 +11,7 @@ chunk has run and it joins the batch (slot ``slot``):
 - the last chunk's blocks reach the CPU pages (their copy overlapping the first selection);
 - the policy takes what it keeps of the prompt (InfiniGen: the proxy channels of the keys);
 - the first block's selection runs exactly, with its B [MASK] queries, on the GPU while the
-  prompt KV is still there (HERALD §IV-B2; the queries come from the prompt's last forward, which
-  carries the first block as its last B rows), filling the active pool's selected rows and the last
+  prompt KV is still there (HERALD §IV-B2), filling the active pool's selected rows and the last
   prompt block's rows; then the temporary store is dropped.
 """
 
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from herald.attention.base import QueryRecorder
 from herald.attention.slots import SlotAttention
 from herald.engine.request import Request
 from herald.engine.scheduler import PrefillChunk
@@ -37,21 +37,6 @@ _STAGING_BYTES = 256 * 1024**2
 """Pinned staging for a prompt's KV on its way to the CPU pool: at least this, or one prefill
 forward's blocks of every offloaded layer if more, up to :data:`_STAGING_MAX_BYTES`."""
 _STAGING_MAX_BYTES = 1024**3
-
-
-class _TailRecorder:
-    """Wraps the temporary store's backend and keeps each layer's queries of the forward's last
-    ``rows`` positions (a copy: the chunk's other queries are not held)."""
-
-    def __init__(self, inner: SlotAttention, rows: int) -> None:
-        self.inner, self.rows = inner, rows
-        self.q: dict[int, torch.Tensor] = {}
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        self.q[layer_id] = q[:, -self.rows :].clone()  # q [1, L, Hq, D]
-        return self.inner.forward(layer_id, q, k, v)
 
 
 class _PendingCopy(NamedTuple):
@@ -75,7 +60,6 @@ class PromptPrefill:
         self.tv: list[torch.Tensor] = []
         self.temp: SlotAttention | None = None
         self.offloaded = 0  # prompt blocks whose KV went to the CPU pool (or is on its way)
-        self.first_q: dict[int, torch.Tensor] = {}  # the first block's queries, per layer
         self._pending: _PendingCopy | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -85,7 +69,7 @@ class PromptPrefill:
         if pending is not None and pending.event is not None:
             pending.event.synchronize()  # the copy reads the store being freed
         self.request, self.tk, self.tv, self.temp = None, [], [], None
-        self.offloaded, self.first_q = 0, {}
+        self.offloaded = 0
 
     def run_chunk(self, chunk: PrefillChunk) -> None:
         """Prompt tokens ``[chunk.start, chunk.end)`` forward into the temporary store."""
@@ -107,20 +91,9 @@ class PromptPrefill:
         s = req.layout.num_prefill_tokens
         for c in range(chunk.start, chunk.end, core.prefill_chunk):
             e = min(chunk.end, c + core.prefill_chunk)
-            x = ids[None, c - chunk.start : e - chunk.start]
-            backend: SlotAttention | _TailRecorder = self.temp
-            if e == s:
-                # The prompt's last piece: the first block (its prompt tail, then [MASK]s) rides
-                # along as the forward's last B rows, keeping their queries for the first
-                # selection. Block-causal attention leaves the prompt's rows as they were, and
-                # the block sees the whole prompt and itself, as a forward of its own would.
-                x = torch.cat([x, core.batch.fresh_block(req)[0][None]], dim=1)
-                backend = _TailRecorder(self.temp, b)
-            self.temp.prepare([c], x.shape[1], block_size=b)
-            pos = torch.arange(c, c + x.shape[1], device=core.device)[None]
-            core.model(x, pos, backend)
-            if isinstance(backend, _TailRecorder):
-                self.first_q = backend.q
+            self.temp.prepare([c], e - c, block_size=b)
+            pos = torch.arange(c, e, device=core.device)[None]
+            core.model(ids[None, c - chunk.start : e - chunk.start], pos, self.temp)
             # The blocks this forward completed go to the CPU pool while the next one runs.
             self._offload(req, min(e, s) // b)
 
@@ -206,17 +179,22 @@ class PromptPrefill:
         update_compact(core.cpu_pool, pending.pages, core.selection_threads)
 
     def _first_selection(self, req: Request, slot: int, s: int) -> tuple[int, int]:
-        """The first block's B queries (recorded by the prompt's last forward), exact over the
-        full prompt KV, on the model device."""
+        """The first block's B queries, exact over the full prompt KV, on the model device."""
         core = self.core
         b, d = core.block_size, core.config.head_dim
-        assert self.first_q, "the prompt's last piece did not run"
+        assert self.temp is not None
         last = b if s >= b else 0
         k = core.budget_for(s)
+        recorder = QueryRecorder(self.temp)
+        start = req.layout.first_block_start
+        toks, _ = core.batch.fresh_block(req)
+        self.temp.prepare([start], b)
+        pos = torch.arange(start, start + b, device=core.device)[None]
+        core.model(toks[None], pos, recorder)
         buf = core.pool.active
         for layer in core.pool.layers:
             keys, vals = self.tk[layer][0], self.tv[layer][0]
-            idx = select_topk_rows(self.first_q[layer][0], keys, s + b, last + b, k)
+            idx = select_topk_rows(recorder.q[layer][0], keys, s + b, last + b, k)
             gi = idx[..., None].expand(-1, -1, d)
             core.pool.k(buf, layer)[slot, :, :k] = keys.gather(1, gi)
             core.pool.v(buf, layer)[slot, :, :k] = vals.gather(1, gi)

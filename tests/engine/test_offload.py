@@ -501,6 +501,30 @@ def test_budget_one_equals_dense_with_the_draft_step_on_the_trained_model(monkey
     assert _offload_output(model, config, "herald", ids, params) == ref
 
 
+def test_budget_one_equals_dense_on_a_long_prompt_of_the_trained_model(monkeypatch):
+    """HERALD at budget 1.0 prints dense's text on an 820-token prompt (textwrap.py's characters
+    6,000-9,000; a user trial found it differing when the first block rode on the prompt's last
+    prefill forward: the prompt rows' bf16 attention then ran over other key lengths than
+    dense's). The prompt is prefilled exactly as the dense engine prefills it."""
+    import textwrap
+
+    from herald.models.loader import load_model
+
+    model, config, tok = load_model("code-sdar", "cpu", torch.bfloat16)
+    if _row_variant_matmul(model, config.block_size) is not None:
+        monkeypatch.setattr(torch.nn.Linear, "forward", _rowwise_linear)
+    with open(textwrap.__file__, encoding="utf-8") as f:
+        ids = tok.encode(f.read()[6000:9000])
+    params = SamplingParams(max_new_tokens=40)
+    dense = make_engine(model, config, None, max_batch_size=1, max_seq_len=1024)
+    ref = dense.generate([ids], params)[0].output_ids
+    eng = make_engine(model, config, MODES["herald"], max_batch_size=1, max_seq_len=1024)
+    try:
+        assert eng.generate([ids], params)[0].output_ids == ref
+    finally:
+        eng.close()
+
+
 def test_lookahead_off_counts_the_synchronous_selection_as_stall():
     """Without lookahead the next block's selection runs after the commit, on the engine's
     thread: the block waits for all of it, so the stall is at least the retrieval time."""
