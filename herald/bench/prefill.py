@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from herald.bench.common import append_jsonl, random_prompts
+from herald.cliargs import list_of, token_count
 from herald.config import EngineConfig, SamplingParams
 from herald.engines import MODES, build_engine, offload_for_mode
 from herald.env import PREFILL_ATTENTION_CHOICES, TRITON_CHOICES, overridden, settings
@@ -84,26 +85,6 @@ def measure(
     }
 
 
-def _choices(
-    p: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]
-) -> list[str]:
-    items = [x.strip().lower() for x in value.split(",")]
-    for x in items:
-        if x not in allowed:
-            p.error(f"{flag}: {x!r} is not one of {', '.join(allowed)}")
-    return items
-
-
-def _sizes(p: argparse.ArgumentParser, flag: str, value: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in value.split(",")]
-    except ValueError:
-        p.error(f"{flag} takes comma-separated token counts, got {value!r}")
-    if min(sizes) < 1:
-        p.error(f"{flag}: token counts must be >= 1, got {value!r}")
-    return sizes
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m herald.bench.prefill", description=__doc__)
     p.add_argument(
@@ -112,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a preset (random weights at full size) (default: %(default)s)",
     )
     p.add_argument(
-        "--modes", default="dense,herald", help=f"comma-separated of {MODES} (default: %(default)s)"
+        "--modes",
+        type=list_of(str.lower, MODES),
+        default="dense,herald",
+        help=f"comma-separated of {MODES} (default: %(default)s)",
     )
     p.add_argument(
         "--prompts",
+        type=list_of(token_count),
         default="4096,16384,32768",
         help="prompt lengths in tokens (default: %(default)s)",
     )
@@ -124,18 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--triton",
+        type=list_of(str.lower, TRITON_CHOICES),
         default=None,
         help=f"HERALD_TRITON values to measure, of {TRITON_CHOICES}, e.g. 0,auto (default: this "
         "process's setting)",
     )
     p.add_argument(
         "--prefill-attention",
+        type=list_of(str.lower, PREFILL_ATTENTION_CHOICES),
         default=None,
         help=f"HERALD_PREFILL_ATTENTION values to measure, of {PREFILL_ATTENTION_CHOICES}, e.g. "
         "sdpa,triton (default: this process's setting)",
     )
     p.add_argument(
         "--chunk-tokens",
+        type=list_of(token_count),
         default=str(EngineConfig.prefill_chunk_tokens),
         help="prompt tokens per prefill forward (EngineConfig.prefill_chunk_tokens), a list to "
         "measure each, e.g. 4096,16384 (default: %(default)s)",
@@ -146,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         now = settings()
     except ValueError as e:  # a bad HERALD_* switch in the environment
         p.error(str(e))
-    triton = _choices(p, "--triton", a.triton or now.triton, TRITON_CHOICES)
-    attention = _choices(p, "--prefill-attention", a.prefill_attention or now.prefill_attention,
-                         PREFILL_ATTENTION_CHOICES)  # fmt: skip
-    modes = _choices(p, "--modes", a.modes, MODES)
-    prompts, chunks = _sizes(p, "--prompts", a.prompts), _sizes(p, "--chunk-tokens", a.chunk_tokens)
+    triton = a.triton or [now.triton]
+    attention = a.prefill_attention or [now.prefill_attention]
+    modes, prompts, chunks = a.modes, a.prompts, a.chunk_tokens
+    for flag, sizes in (("--prompts", prompts), ("--chunk-tokens", chunks)):
+        if min(sizes) < 1:
+            p.error(f"{flag}: token counts must be >= 1, got {sizes}")
     if a.requests < 1:
         p.error(f"--requests must be >= 1, got {a.requests}")
     if not torch.cuda.is_available():

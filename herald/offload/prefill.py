@@ -40,9 +40,10 @@ _STAGING_MAX_BYTES = 1024**3
 
 
 class _PendingCopy(NamedTuple):
-    """Prompt blocks on their way to the CPU pool: ``host`` ``[L', 2, n, Hkv, B, D]`` (pinned
-    staging, complete once ``event`` fired; None on the CPU) for pool pages ``pages``; ``rows``
-    the device tensor the copy reads, held until then."""
+    """Prompt blocks on their way to the CPU pool pages ``pages``: ``host`` ``[L', 2, n, Hkv, B,
+    D]`` in the pool's dtype (on CUDA pinned staging, complete once ``event`` fired; on the CPU
+    the rows themselves, ``event`` None); ``rows`` the device tensor the copy reads, held until
+    then."""
 
     host: torch.Tensor
     pages: torch.Tensor
