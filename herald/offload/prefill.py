@@ -68,7 +68,7 @@ class PromptPrefill:
         """Free the temporary store (the request joined, was aborted, or failed)."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.event is not None:
-            pending.event.synchronize()  # the copy reads the store being freed
+            pending.event.synchronize()  # NOTE: the copy in flight reads the store freed here
         self.request, self.tk, self.tv, self.temp = None, [], [], None
         self.offloaded = 0
 
@@ -147,7 +147,8 @@ class PromptPrefill:
         if cur is not None:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(core.device)
-            self._stream.wait_stream(cur)  # the forward that wrote these blocks
+            # NOTE: write-before-copy: the side stream waits for the forward that wrote them
+            self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream) if cur is not None else nullcontext():
             r0, r1 = first * b, end * b
             rows = torch.stack([torch.stack([self.tk[nd + pl][0, :, r0:r1],
