@@ -2,15 +2,18 @@
 
 ``python -m herald.bench.prefill --model llada2-mini --prompts 4096,16384,32768 --requests 4``
 
-Per engine mode and prompt length: one warm-up request (compiles and first launches, not
-counted), then ``--requests`` prompts queued at once and stepped until all have joined the decode
-batch. Reported: prefill tokens/s = prompt tokens over the engine's own prefill time
-(``EngineStats.prefill_seconds``: each chunk's forward, the KV writes, for offloading modes the
-copy to the CPU pool and the first block's selection, synchronised), and the wall time until the
-last request joined. ``--triton 0,auto`` measures with herald's Triton kernels off and on in the
-same process (``HERALD_TRITON``), ``--prefill-attention sdpa,triton`` with the prefill chunks'
-attention on either path (``HERALD_PREFILL_ATTENTION``), ``--chunk-tokens 4096,16384`` with
-prompts prefilled in pieces of each size; every combination, in the order given.
+Per engine mode and prompt length: two warm-up requests (compiles, first launches and the CUDA graph
+capture of the first selection's forward, not counted), then ``--requests`` prompts queued at once
+and stepped until all have joined the decode batch. Reported: prefill tokens/s = prompt tokens over
+the engine's own prefill time (``EngineStats.prefill_seconds``: each chunk's forward, the KV writes,
+for offloading modes the copy to the CPU pool and the first block's selection, synchronised), and
+the wall time until the last request joined. ``--triton 0,auto`` measures with herald's Triton
+kernels off and on in the same process (``HERALD_TRITON``), ``--prefill-attention sdpa,triton`` with
+the prefill chunks' attention on either path (``HERALD_PREFILL_ATTENTION``), ``--chunk-tokens
+4096,16384`` with prompts prefilled in pieces of each size, ``--cuda-graphs on,off`` with the
+engine's ``use_cuda_graph`` on and off (the prefill chunks run eagerly either way; an offloading
+engine's first selection replays the decode forward's graphs when on); every combination, in the
+order given.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def measure(
     prompt_len: int,
     requests: int,
     chunk_tokens: int = EngineConfig.prefill_chunk_tokens,
+    cuda_graphs: bool = True,
 ) -> dict[str, object]:
     """One mode and prompt length: tokens/s of the real prefill (see the module docstring)."""
     engine_config = EngineConfig(
@@ -47,6 +51,7 @@ def measure(
         max_seq_len=prompt_len + 64,
         prefill_chunk_tokens=chunk_tokens,
         offload=offload_for_mode(mode),
+        use_cuda_graph=cuda_graphs,
     )
     eng = build_engine(model, config, engine_config)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
@@ -66,7 +71,7 @@ def measure(
         return wall
 
     try:
-        run(1, seed=2 * prompt_len)  # warm-up
+        run(2, seed=2 * prompt_len)  # warm-up: the second join captures the graphs
         eng.stats.prefill_seconds = 0.0
         eng.stats.num_prefill_tokens = 0
         wall = run(requests, seed=2 * prompt_len + 1)
@@ -77,6 +82,7 @@ def measure(
         "mode": mode,
         "prompt_tokens": prompt_len,
         "prefill_chunk_tokens": chunk_tokens,
+        "cuda_graphs": cuda_graphs,
         "requests": requests,
         "prefill_tokens": tokens,
         "prefill_seconds": secs,
@@ -128,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         help="prompt tokens per prefill forward (EngineConfig.prefill_chunk_tokens), a list to "
         "measure each, e.g. 4096,16384 (default: %(default)s)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        type=list_of(str.lower, ("on", "off")),
+        default="on",
+        help="the engine's CUDA graphs, on and/or off, e.g. off,on (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=None, help="append records to DIR/prefill.jsonl")
     a = p.parse_args(argv)
     try:
@@ -153,18 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for switch in switches:
         with overridden(switch):
-            for mode, n, chunk in itertools.product(modes, prompts, chunks):
+            for mode, n, chunk, graphs in itertools.product(modes, prompts, chunks, a.cuda_graphs):
                 rec = {
                     "model": a.model,
                     "triton": switch["HERALD_TRITON"],
                     "prefill_attention": switch["HERALD_PREFILL_ATTENTION"],
-                    **measure(model, config, mode, n, a.requests, chunk),
+                    **measure(model, config, mode, n, a.requests, chunk, graphs == "on"),
                 }
                 if a.out is not None:  # each record as it comes: a cut run keeps them
                     append_jsonl(a.out / "prefill.jsonl", [rec])
                 tps = rec["prefill_tokens_per_s"]
                 print(
                     f"triton={rec['triton']} prefill_attention={rec['prefill_attention']} "
+                    f"graphs={graphs} "
                     f"{mode:8s} {n:6d} tokens x {a.requests} (chunks of {chunk}): {tps:10.0f} "
                     f"tok/s prefill, all joined after {rec['wall_until_all_joined_s']:.2f} s",
                     flush=True,
