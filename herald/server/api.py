@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import herald
@@ -40,7 +40,7 @@ from herald.server.protocol import (
     TokenizeRequest,
     _Common,
 )
-from herald.server.respond import Reply, complete, sse
+from herald.server.respond import EventStream, Reply, complete, sse
 from herald.server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
@@ -190,7 +190,7 @@ async def _serve(
         continuous_usage=body.continuous_usage, skip_special_tokens=body.skip_special_tokens,
     )  # fmt: skip
     if body.stream:
-        return StreamingResponse(sse(reply), media_type="text/event-stream")
+        return EventStream(sse(reply), media_type="text/event-stream")
     return await complete(reply, request)
 
 

@@ -12,18 +12,30 @@ RETRY_AFTER_SECONDS = 1
 """The ``Retry-After`` of a 503: the queue drains at block boundaries, a fraction of a second."""
 
 
-def error_response(
+SHUTTING_DOWN = "the server shut down before this request finished"
+"""The message of a request cut by the graceful shutdown's timeout (code ``server_shutting_down``:
+a 503, or a stream's error event)."""
+
+
+def error_body(
     status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    """An OpenAI-shaped error body ``{"error": {"message", "type", "param", "code"}}`` with
-    HTTP ``status``."""
+) -> dict[str, Any]:
+    """The OpenAI error shape ``{"error": {"message", "type", "param", "code"}}`` of an error
+    of HTTP ``status`` (also what a stream sends as its error event)."""
     kind = {
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
         503: "overloaded_error",
     }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """:func:`error_body` with HTTP ``status``."""
+    body = error_body(status, message, param=param, code=code)
     # 503: the waiting queue is full (or the engine is dead); clients back off and retry
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
     return JSONResponse(body, status_code=status, headers=headers)

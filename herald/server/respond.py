@@ -4,7 +4,9 @@ A stream sends, per choice, an ``echo`` chunk first (completions with ``echo``),
 per completed block (its text delta, ``token_ids`` and logprobs), the last with the choice's
 ``finish_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null`` (or
 its choice's running usage with ``continuous_usage_stats``) and a final chunk with empty
-``choices`` carries the request's ``usage``; then ``data: [DONE]``.
+``choices`` carries the request's ``usage``; then ``data: [DONE]``. A stream that fails ends
+with an error event in the API's error shape, then ``data: [DONE]``; so does one cut by the
+server's shutdown timeout (:class:`EventStream`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
-from herald.server.errors import error_response
+from herald.server.errors import SHUTTING_DOWN, error_body, error_response
 from herald.server.generation import Choice, Disconnected, Event, Failed, events
 from herald.server.render import TokenPieces, chat_logprobs, completion_logprobs, usage
 from herald.server.state import ServerState
@@ -87,9 +90,7 @@ async def complete(reply: Reply, request: Request) -> Response:
         # engine work was aborted as events() ended): an answer in the API's error shape, not a
         # bare 500 and a logged traceback.
         state.metrics.requests.labels("aborted").inc()
-        return error_response(
-            503, "the server shut down before this request finished", code="server_shutting_down"
-        )
+        return error_response(503, SHUTTING_DOWN, code="server_shutting_down")
     state.metrics.requests.labels("ok").inc()
     out = []
     for c in reply.choices:
@@ -157,17 +158,56 @@ async def sse(reply: Reply) -> AsyncIterator[str]:
             obj = "chat.completion.chunk" if reply.chat else "text_completion"
             yield _data({**reply.meta, "object": obj, "choices": [], "usage": reply.usage()})
     except (asyncio.CancelledError, GeneratorExit):
-        # the client went away mid-stream: Starlette cancels the body; events() aborted the
-        # engine requests
+        # the client went away mid-stream (Starlette cancels the body), or the shutdown timeout
+        # cancelled the request (EventStream ends the stream); events() aborted the engine
+        # requests
         state.metrics.requests.labels("aborted").inc()
         raise
     except Failed as e:
         state.metrics.requests.labels("error").inc()
-        msg = f"internal error in this request: {e}"
-        err = {"error": {"message": msg, "type": "server_error", "param": None, "code": None}}
-        yield _data(err)
+        yield _data(error_body(500, f"internal error in this request: {e}"))
     finally:
         for c in reply.choices:  # when the body ended before events() began
             if c.finish is None and c.handle is not None:
                 state.engine_loop.cancel(c.handle)
     yield "data: [DONE]\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """The SSE response of :func:`sse`, which ends cleanly when the graceful shutdown runs out
+    of time.
+
+    uvicorn cancels the requests still running then. A plain ``StreamingResponse`` lets the
+    ``CancelledError`` out, which uvicorn logs as an "Exception in ASGI application" traceback
+    before it drops the connection; the client sees a stream cut short with no reason. Here the
+    stream ends as a non-streamed request cut so is answered: an error event of code
+    ``server_shutting_down`` (a 503's body), then ``data: [DONE]``; uvicorn's own line saying it
+    cancelled the requests is the only one logged. A client's disconnect does not come here:
+    Starlette ends the body itself then, the request's task is not cancelled.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = ended = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body":
+                ended = ended or bytes(message.get("body", b"")).endswith(_DONE)
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not started:
+                start = {"type": "http.response.start", "status": self.status_code}
+                await send({**start, "headers": self.raw_headers})
+            tail = b""
+            if not ended:
+                err = error_body(503, SHUTTING_DOWN, code="server_shutting_down")
+                tail = _data(err).encode() + _DONE
+            await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -167,7 +167,10 @@ def test_shutdown_closes_requests_still_running_after_its_timeout(stream: bool) 
     """A shutdown waits ``shutdown_timeout_s`` for the requests in flight, then closes them: a
     request the engine holds (at a gate, so however slow the machine) must not hold it. A
     non-streamed request cut so gets a closed connection or an error in the API's shape (503,
-    ``server_shutting_down``), never a bare 500."""
+    ``server_shutting_down``), never a bare 500; a stream ends with that error as its last event,
+    then ``data: [DONE]``. The server logs one line for it (uvicorn's, that it cancelled the
+    request), no traceback."""
+    import logging
     import threading
 
     from engine_gate import engine_gate
@@ -175,9 +178,15 @@ def test_shutdown_closes_requests_still_running_after_its_timeout(stream: bool) 
     srv = start_server(
         limits=dataclasses.replace(TEST_FRONT, shutdown_timeout_s=0.5), max_batch_size=2
     )
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")  # configured by the server: after its start
+    uvicorn_log.addHandler(handler)
     engine = srv.state.engine_loop.engine
     ended = threading.Event()
     outcome: dict[str, str] = {}
+    events: list[str] = []
 
     def client() -> None:
         body = {"prompt": "held", "max_tokens": 64, "stream": stream}
@@ -185,9 +194,11 @@ def test_shutdown_closes_requests_still_running_after_its_timeout(stream: bool) 
             with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
                 if stream:
                     with c.stream("POST", "/v1/completions", json=body) as r:
-                        for _ in r.iter_lines():
-                            pass
-                    outcome["end"] = "complete"
+                        events.extend(x for x in r.iter_lines() if x.startswith("data: "))
+                    done = events[-1:] == ["data: [DONE]"]
+                    outcome["end"] = "complete" if done and "error" not in events[-2] else "cut"
+                    if done and "error" in events[-2]:
+                        outcome["end"] = f"error {json.loads(events[-2][6:])['error']['code']}"
                 else:
                     r = c.post("/v1/completions", json=body)
                     outcome["end"] = "complete" if r.status_code == 200 else str(r.status_code)
@@ -205,8 +216,14 @@ def test_shutdown_closes_requests_still_running_after_its_timeout(stream: bool) 
             srv.server.should_exit = True
             assert ended.wait(60), "the shutdown waited for a request the engine holds"
         assert outcome["end"] != "complete", outcome  # cut by the shutdown, not finished
-        if not stream:
+        if stream:
+            assert outcome["end"] == "error server_shutting_down", (outcome, events)
+        else:
             assert outcome["end"] in ("503 server_shutting_down", "RemoteProtocolError"), outcome
     finally:
         srv.close()
+        uvicorn_log.removeHandler(handler)
     assert not srv.thread.is_alive()
+    assert [r.exc_info for r in logged if r.exc_info] == [], "a traceback was logged"
+    lines = [r.getMessage() for r in logged]
+    assert len(lines) == 1 and "timeout graceful shutdown exceeded" in lines[0], lines
