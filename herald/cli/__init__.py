@@ -10,6 +10,11 @@ small block dLLM (:mod:`herald.train`), ``herald bench throughput`` sweeps decod
 floor (:mod:`herald.bench.forward`), ``herald bench serve`` loads a real ``herald serve``
 (:mod:`herald.bench.serve`), ``herald init-random`` writes a random-weight checkpoint.
 Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
+
+This module imports nothing heavy at its top: the ``herald`` script imports it before
+:func:`main` runs, and importing torch takes seconds, so a Ctrl-C then would escape every
+handler as a traceback. :func:`main` imports the subcommands (and torch) itself, inside its
+handler of Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,14 +24,20 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from herald import __version__
-from herald.cli import generate, serve
-from herald.cli.common import DEFAULT_MODEL, parse_dtype
-from herald.cliargs import check_alias_conflicts, use_help_formatter
-from herald.env import settings
 
 __all__ = ["DEFAULT_MODEL", "build_parser", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DEFAULT_MODEL":  # re-exported, without importing torch with this module
+        from herald.cliargs import DEFAULT_MODEL
+
+        return DEFAULT_MODEL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DESCRIPTION = """herald serves block diffusion LLMs (SDAR, LLaDA2-MoE). Without --model, generate
 and serve run the embedded code model (checkpoints/code-sdar). herald COMMAND --help lists a
@@ -35,6 +46,10 @@ separated by spaces or commas."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from herald.cli import generate, serve
+    from herald.cli.common import parse_dtype
+    from herald.cliargs import use_help_formatter
+
     parser = argparse.ArgumentParser(prog="herald", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"herald {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -104,7 +119,20 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises."""
+    """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises.
+    Ctrl-C at any time, also while the modules and the model load, prints ``interrupted`` and
+    exits 130 (128 + SIGINT, as a shell reports a command it interrupted)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    from herald.cliargs import check_alias_conflicts
+    from herald.env import settings
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     leaf = getattr(args, "_parser", parser)
@@ -114,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings()  # every HERALD_* switch checked up front, whichever of them the command uses
         return int(args.handler(args))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
         if getattr(args, "debug", False):
             raise
