@@ -10,6 +10,10 @@ Herald's extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]),
 one, chosen at launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in
 (0, 1]: the fraction of the prefix each block attends to; fixed at launch, so it must equal the
 server's). ``temperature`` defaults to 0 (greedy, deterministic).
+
+Null in an optional field is that field's default (``"n": null`` is n = 1, ``"temperature":
+null`` greedy), as in OpenAI's API, which marks its optional fields nullable; a required field
+(``prompt``, ``messages``, a message's ``role``) is still refused as null.
 """
 
 from __future__ import annotations
@@ -40,21 +44,41 @@ MAX_STOPS = 4
 """Most stop strings per request."""
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body or a part of one: unknown fields are refused, null is a field's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _defaulted(cls)}
+
+
+def _defaulted(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` with a default other than None (a field whose default is None
+    takes null as it is; a required one has no default to stand for null)."""
+    return frozenset(
+        name
+        for name, info in model.model_fields.items()
+        if not info.is_required() and info.default is not None
+    )
+
+
+class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the
     ``usage`` (every other chunk has ``"usage": null``); ``continuous_usage_stats`` (with it)
     puts the running usage of its choice in every chunk instead of null."""
-
-    model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
     IGNORED: ClassVar[frozenset[str]] = fields.IGNORED_COMMON
     NEUTRAL: ClassVar[Mapping[str, Neutral]] = fields.NEUTRAL_COMMON
 
@@ -87,11 +111,14 @@ class _Common(BaseModel):
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" in data:
-            # the two names of one field: equal values are one request, different ones a 400
-            if data["max_tokens"] != data["max_completion_tokens"]:
+            # the two names of one field: equal values are one request, different ones a 400;
+            # a null one is not given
+            given = data["max_tokens"], data["max_completion_tokens"]
+            if None not in given and given[0] != given[1]:
                 raise refuse("max_completion_tokens", "max_tokens and max_completion_tokens "
                              "name one limit and differ here: give one of them")  # fmt: skip
-            data = {k: v for k, v in data.items() if k != "max_tokens"}
+            drop = "max_completion_tokens" if given[1] is None else "max_tokens"
+            data = {k: v for k, v in data.items() if k != drop}
         return fields.check(data, cls.IGNORED, cls.NEUTRAL)
 
     @model_validator(mode="after")
@@ -208,10 +235,8 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: str
     text: str
@@ -221,10 +246,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 """The roles OpenAI's chat API defines; a model's chat template may still refuse some (tool)."""
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     """One message: ``content`` is text, a list of text parts, or null (an assistant's)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
@@ -298,11 +321,9 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` (rendered with the chat
     template, as chat completions would); ``return_token_strs`` adds each token's text."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -325,10 +346,8 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """``POST /detokenize``: token ids -> text."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[StrictInt]

@@ -453,6 +453,39 @@ def test_max_tokens_and_max_completion_tokens_together(client: httpx.Client) -> 
     assert "differ" in r.json()["error"]["message"]
 
 
+NULLABLE = ("n", "temperature", "top_p", "top_k", "min_tokens", "stop", "stop_token_ids", "seed",
+            "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "stream",
+            "stream_options", "threshold", "steps", "mode", "budget", "model", "logprobs",
+            "presence_penalty", "user")  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_null_is_the_default(
+    client: httpx.Client, captured: list[SamplingParams], route: str
+) -> None:
+    """null in an optional field is its default, as in OpenAI's API (``"n": null`` is n = 1):
+    the engine gets the request it gets without the field, the reply is the same; a required
+    field is still refused as null."""
+    chat = route.endswith("chat/completions")
+    source = "messages" if chat else "prompt"
+    base: dict[str, Any] = {source: [{"role": "user", "content": "hi"}] if chat else "hi"}
+    base["max_tokens"] = 8
+    nulls = dict.fromkeys(NULLABLE + (("top_logprobs", "add_generation_prompt") if chat else
+                                      ("echo", "suffix")))  # fmt: skip
+    replies = [client.post(route, json=body) for body in (base, {**base, **nulls})]
+    assert [r.status_code for r in replies] == [200, 200], replies[1].text
+    texts = [r.json()["choices"][0]["message" if chat else "text"] for r in replies]
+    assert texts[0] == texts[1] and captured[0] == captured[1]
+    both = {**base, "max_tokens": None, "max_completion_tokens": 8}  # null: not given
+    assert client.post(route, json=both).status_code == 200
+    assert captured[2] == captured[0]
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    chunks = _post_stream(client, route, {**base, "stream_options": options})
+    assert chunks and all("usage" not in c for c in chunks)  # include_usage: false
+    r = client.post(route, json={**base, source: None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == source, r.text
+
+
 def test_an_unknown_chat_role_is_refused(client: httpx.Client) -> None:
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "bogus", "content": "x"}]})
     assert r.status_code == 400 and "unknown role 'bogus'" in r.json()["error"]["message"]
