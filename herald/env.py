@@ -23,7 +23,8 @@ variable                       meaning
                                (default ``$XDG_CACHE_HOME/herald``, else ``~/.cache/herald``)
 ``HERALD_SDPA_BACKENDS``       comma-separated SDPA kernels allowed on CUDA (``cudnn``, ``flash``,
                                ``efficient``, ``math``); unset: PyTorch's own pick
-``HERALD_COMPILE``             ``0`` turns off ``torch.compile`` of the fused elementwise kernels
+``HERALD_COMPILE``             ``1`` (default; or true/yes/on): the fused elementwise kernels
+                               run under ``torch.compile``; ``0`` (or false/no/off): eager
 ``HERALD_API_KEY``             the key ``herald serve`` requires as ``Authorization: Bearer KEY``
                                (``--api-key`` wins); unset or empty: no key
 ``HERALD_TRITON``              herald's Triton kernels: ``auto`` (default: the block attention on
@@ -179,7 +180,7 @@ def parse(env: dict[str, str]) -> Settings:
         selection_lib=env.get("HERALD_SELECTION_LIB") or None,
         cache_dir=env.get("HERALD_CACHE_DIR") or None,
         sdpa_backends=_sdpa(env),
-        compile=env.get("HERALD_COMPILE", "1").strip() != "0",
+        compile=_flag(env, "HERALD_COMPILE", default=True),
         api_key=env.get("HERALD_API_KEY") or None,
         triton=_choice(env, "HERALD_TRITON", TRITON_CHOICES, "auto"),
         prefill_attention=_choice(

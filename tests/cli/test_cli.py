@@ -176,9 +176,17 @@ def test_settings_are_checked_before_the_model_loads(flags, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("mode", ["dense", "herald"])
-def test_a_bad_herald_switch_is_refused_in_every_mode(mode, monkeypatch, capsys):
-    """A HERALD_* environment switch with a bad value is named before anything loads, also in
-    a mode that never reads that switch (a typo must not wait for the mode that does)."""
+@pytest.mark.parametrize(
+    ("switch", "allowed"),
+    [
+        ("HERALD_PREFILL_ATTENTION", "expected one of auto, triton, sdpa"),
+        ("HERALD_COMPILE", "expected 1/true/yes/on or 0/false/no/off"),
+    ],
+)
+def test_a_bad_herald_switch_is_refused_in_every_mode(switch, allowed, mode, monkeypatch, capsys):
+    """A HERALD_* environment switch with a bad value is named before anything loads, with the
+    values it takes, also in a mode that never reads that switch (a typo must not wait for the
+    mode that does)."""
     from herald.env import settings
     from herald.models import loader
 
@@ -186,11 +194,22 @@ def test_a_bad_herald_switch_is_refused_in_every_mode(mode, monkeypatch, capsys)
         raise AssertionError("the model was loaded before the switches were checked")
 
     monkeypatch.setattr(loader, "load_model", no_load)
-    monkeypatch._inner.setenv("HERALD_PREFILL_ATTENTION", "bogus")  # unparsed until main's check
+    monkeypatch._inner.setenv(switch, "bogus")  # unparsed until main's check
     settings.cache_clear()
     assert main(["generate", "--model", "tiny-sdar", "--prompt", "x", "--mode", mode]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "HERALD_PREFILL_ATTENTION='bogus'" in err[0], err
+    assert len(err) == 1 and f"{switch}='bogus'; {allowed}" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("value", "compiled"),
+    [("", True), ("1", True), ("on", True), ("Yes", True), ("0", False), ("false", False),
+     ("OFF", False)],
+)  # fmt: skip
+def test_herald_compile_values(value, compiled):
+    from herald.env import parse
+
+    assert parse({"HERALD_COMPILE": value}).compile is compiled
 
 
 def test_mask_token_id_beyond_the_vocabulary(capsys):
