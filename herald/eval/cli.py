@@ -236,9 +236,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"ignored (this run's tasks: {' '.join(args.task)})",
             file=sys.stderr,
         )
-    from tqdm import tqdm
-
     from herald.bench.common import command_line, machine_info
+    from herald.eval.progress import progress
     from herald.eval.recall import run_analysis
     from herald.eval.runner import run_unit
     from herald.eval.selection import select_examples
@@ -344,7 +343,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     slowest = 0.0
     skipped: list[Unit] = []
-    bar = tqdm(todo, desc="units", unit="unit", file=sys.stderr)
+    bar = progress(todo, desc="units", unit="unit")
     for unit in bar:
         elapsed = time.perf_counter() - t_start
         if args.time_limit is not None and elapsed + 1.2 * slowest > args.time_limit:

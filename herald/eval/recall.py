@@ -362,15 +362,13 @@ def run_analysis(
 
     Returns ``{"config", "pairs": [analyse_pair(...) + "example"], "summary": summarise(...)}``.
     """
-    import sys
-
-    from tqdm import tqdm
+    from herald.eval.progress import progress
 
     chosen = examples[: acfg.num_examples]
     nd = min(acfg.num_dense_layers, config.num_layers)
     chans = _proxy_channels(model, list(range(nd, config.num_layers)), acfg.proxy_ratio)
     pairs: list[dict[str, Any]] = []
-    for ex in tqdm(chosen, desc=desc, unit="ex", leave=False, file=sys.stderr):
+    for ex in progress(chosen, desc=desc, unit="ex", leave=False):
         cap = capture_dense(model, config, ex.prompt_ids, acfg.num_blocks, params)
         for j in range(len(cap.block_starts) - 1):
             r = analyse_pair(model, config, cap, j, acfg, chans)

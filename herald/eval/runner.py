@@ -15,16 +15,14 @@ metrics, the prompt-selection hash and timing.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from herald.config import EngineConfig, OffloadConfig, SamplingParams
 from herald.eval.metrics import HEADLINE, predict, score
+from herald.eval.progress import progress
 from herald.eval.tasks import Example, selection_hash
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
@@ -158,7 +156,7 @@ def generate(
     """Queue every prompt, step the engine until all finish; returns the requests in order.
     Shows a progress bar of finished requests on stderr."""
     reqs = [engine.add_request(p, params) for p in prompts]
-    bar = tqdm(total=len(reqs), desc=desc, unit="ex", leave=False, file=sys.stderr)
+    bar = progress(total=len(reqs), desc=desc, unit="ex", leave=False)
     done = 0
     while engine.has_unfinished():
         engine.step()
