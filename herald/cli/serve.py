@@ -20,10 +20,10 @@ from herald.cli.common import (
     pool_error,
     refuse_offload_flags,
 )
-from herald.cliargs import token_count
+from herald.cliargs import flag_message, token_count
 from herald.config import check_kv_pad, resolve_device
 from herald.engines import MODES
-from herald.server.defaults import DEFAULT_HOST, DEFAULT_PORT
+from herald.server.defaults import DEFAULT_HOST, DEFAULT_PORT, DENOISE_DEFAULTS, DenoiseDefaults
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "directory's last component)",
     )
     s.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
+    _add_denoise_args(s)
     s.add_argument(
         "--mode",
         default="dense",
@@ -132,6 +133,40 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     _add_front_args(s)
     s.set_defaults(handler=cmd_serve)
     return s
+
+
+def _add_denoise_args(s: argparse.ArgumentParser) -> None:
+    """``--threshold`` and ``--steps``: the request fields' defaults (a request's own wins)."""
+    g = s.add_argument_group(
+        "denoising defaults",
+        "how a request that sets neither steps nor threshold denoises; a request's own steps "
+        "wins, and its own threshold alone runs threshold mode at that threshold",
+    )
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=DENOISE_DEFAULTS.threshold,
+        help="threshold mode: accept every masked position whose confidence is above this, at "
+        "least one per step; in (0, 1]",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=DENOISE_DEFAULTS.steps,
+        help="fixed-steps mode: T denoising steps per block, instead of --threshold (default: "
+        "none, threshold mode)",
+    )
+
+
+def denoise_defaults(args: argparse.Namespace) -> DenoiseDefaults:
+    """The :class:`DenoiseDefaults` of the flags; ValueError naming the flag out of range."""
+    denoise = DenoiseDefaults(threshold=args.threshold, steps=args.steps)
+    try:
+        denoise.validate()
+    except ValueError as e:
+        msg = flag_message(str(e), {"threshold": "--threshold", "steps": "--steps"})
+        raise ValueError(msg) from None
+    return denoise
 
 
 _FRONT_FLAGS = {
@@ -269,6 +304,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_kv_pad(args.kv_pad, "--kv-pad")
     limits = front_limits(args)
+    denoise = denoise_defaults(args)
     offload = None
     if args.mode == "dense":
         refuse_offload_flags(args, _POOL_FLAGS)
@@ -319,7 +355,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             app = build_app(
                 args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
                 seed=args.seed, served_model_name=args.served_model_name, limits=limits,
-                warm_up=not args.no_warmup,
+                warm_up=not args.no_warmup, denoise=denoise,
             )  # fmt: skip
         except ValueError as e:
             raise pool_error(args, e) from None

@@ -5,12 +5,55 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from herald.config import EngineConfig
+from herald.config import EngineConfig, SamplingParams
 
 SERVE_DEFAULTS = EngineConfig(max_waiting=64, max_prefill_tokens=4096)
 """A bounded waiting queue and a prefill budget per block boundary, so that a burst of long
 prompts neither queues without bound nor stalls the running requests for whole prompts; every
 other field (CUDA graphs on, ``kv_pad``) as a benchmark's engine."""
+
+
+@dataclass(frozen=True)
+class DenoiseDefaults:
+    """How a request that sets neither ``steps`` nor ``threshold`` denoises its blocks
+    (``herald serve --steps / --threshold``).
+
+    A request's own value wins over the server's, as a request's sampling fields win over a
+    vLLM or SGLang server's defaults. ``steps`` overrides ``threshold`` (fixed-steps mode), so a
+    request that gives ``threshold`` alone has chosen threshold mode and runs it with its
+    threshold, also on a server whose default is fixed steps (:meth:`resolve`)."""
+
+    threshold: float = 0.95
+    """Threshold mode: accept every masked position whose confidence is above this, at least
+    one per step; in (0, 1]."""
+    steps: int | None = None
+    """Fixed-steps mode: denoising steps per block (the threshold is not used); None: threshold
+    mode."""
+
+    def validate(self) -> None:
+        """ValueError naming the field out of range (the engine's own checks of these knobs)."""
+        try:
+            SamplingParams(
+                max_new_tokens=1, threshold=self.threshold, num_denoise_steps=self.steps
+            ).validate()
+        except ValueError as e:
+            raise ValueError(str(e).replace("num_denoise_steps", "steps", 1)) from None
+
+    def resolve(self, threshold: float | None, steps: int | None) -> tuple[float, int | None]:
+        """(threshold, steps) of a request that gave ``threshold`` and ``steps`` (None: not
+        given): its own steps; else, with its own threshold, threshold mode at it; else the
+        server's."""
+        if steps is not None or threshold is not None:
+            return (self.threshold if threshold is None else threshold), steps
+        return self.threshold, self.steps
+
+    def describe(self) -> str:
+        if self.steps is not None:
+            return f"{self.steps} denoising steps per block"
+        return f"denoising threshold {self.threshold:g}"
+
+
+DENOISE_DEFAULTS = DenoiseDefaults()
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

@@ -199,7 +199,7 @@ async def make_choices(
                 400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
                 param="min_tokens",
             )  # fmt: skip
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, state.denoise)
         try:
             params.validate()
         except ValueError as e:

@@ -27,7 +27,13 @@ from herald.models.loader import load_model
 from herald.server import front
 from herald.server.api import ServerState, create_app
 from herald.server.chat import ChatTemplate
-from herald.server.defaults import FRONT_DEFAULTS, SERVE_DEFAULTS, FrontLimits
+from herald.server.defaults import (
+    DENOISE_DEFAULTS,
+    FRONT_DEFAULTS,
+    SERVE_DEFAULTS,
+    DenoiseDefaults,
+    FrontLimits,
+)
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
 from herald.server.state import served_names
@@ -47,6 +53,7 @@ def build_app(
     limits: FrontLimits = FRONT_DEFAULTS,
     served_model_name: str | Sequence[str] | None = None,
     warm_up: bool = True,
+    denoise: DenoiseDefaults = DENOISE_DEFAULTS,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
@@ -57,11 +64,13 @@ def build_app(
     name (:func:`~herald.server.state.served_names`); the API key is ``api_key``, else
     ``HERALD_API_KEY``, else none. With ``warm_up`` the engine's one-time costs are paid before
     it serves (:mod:`herald.server.warmup`: every batch size's CUDA graphs when it uses them).
+    ``denoise``: how a request that sets neither ``steps`` nor ``threshold`` denoises.
     """
     names = served_names(model, served_model_name)
     key = (api_key if api_key is not None else env.settings().api_key) or None
     engine.validate()
     limits.validate()
+    denoise.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
     if engine.max_seq_len > config.max_position_embeddings:
         if env.settings().allow_long_context:
@@ -105,7 +114,8 @@ def build_app(
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
-    state = ServerState(loop, tokenizer, names[0], metrics, key, template, aliases=names[1:])
+    state = ServerState(loop, tokenizer, names[0], metrics, key, template, aliases=names[1:],
+                        denoise=denoise)  # fmt: skip
     app = create_app(state)
     app.state.herald_warmup = warmed
     app.state.herald_warmup_s = None if warmed is None else warmed.seconds
@@ -160,7 +170,8 @@ def banner(app: FastAPI, url: str) -> str:
         f"{eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, max batch size "
         f"{eng.max_batch_size}, max seq len {eng.max_seq_len}, "
         f"max waiting {'unbounded' if waiting is None else waiting}, prefill budget "
-        f"{'unbounded' if budget is None else f'{budget} tokens per forward'}; {eng.describe()}"
+        f"{'unbounded' if budget is None else f'{budget} tokens per forward'}, by default "
+        f"{state.denoise.describe()}; {eng.describe()}"
         + ("; no warm-up" if warmed is None else f"; warm-up {warmed.describe()}")
         + ("; API key required on /v1, /tokenize and /detokenize" if state.api_key else "")
     )

@@ -6,7 +6,8 @@ herald does not implement are in :mod:`herald.server.fields` (ignored, or accept
 value that asks for nothing). docs/API.md documents every field.
 
 Herald's extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps``
-(fixed-steps mode: denoising steps per block), ``mode`` (one of :data:`MODES`; the server runs
+(fixed-steps mode: denoising steps per block; a request without either denoises as the server's
+:class:`~herald.server.defaults.DenoiseDefaults`), ``mode`` (one of :data:`MODES`; the server runs
 one, chosen at launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in
 (0, 1]: the fraction of the prefix each block attends to; fixed at launch, so it must equal the
 server's). ``temperature`` defaults to 0 (greedy, deterministic).
@@ -36,6 +37,7 @@ from pydantic import (
 from herald.config import MAX_DENOISE_STEPS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS, SamplingParams
 from herald.engines import MODES
 from herald.server import fields
+from herald.server.defaults import DENOISE_DEFAULTS, DenoiseDefaults
 from herald.server.fields import Neutral, refuse
 
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
@@ -99,7 +101,7 @@ class _Common(_Body):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    threshold: float = Field(default=0.95, gt=0.0, le=1.0, allow_inf_nan=False)
+    threshold: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     steps: StrictInt | None = Field(default=None, gt=0, le=MAX_DENOISE_STEPS)
     mode: str | None = None
     budget: float | None = Field(
@@ -177,15 +179,20 @@ class _Common(_Body):
         """None: no logprobs; else the number of alternatives per token (0: the token's own)."""
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, denoise: DenoiseDefaults = DENOISE_DEFAULTS
+    ) -> SamplingParams:
+        """The engine's parameters of this request; ``threshold`` and ``steps`` as
+        :meth:`DenoiseDefaults.resolve` of ``denoise`` (the server's) gives them."""
         top = self.top_logprobs_wanted()
+        threshold, steps = denoise.resolve(self.threshold, self.steps)
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=self.temperature,
             top_k=max(0, self.top_k),  # -1 (vLLM's "off") is 0 here
             top_p=self.top_p,
-            threshold=self.threshold,
-            num_denoise_steps=self.steps,
+            threshold=threshold,
+            num_denoise_steps=steps,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from herald.models.tokenizer import Tokenizer
 from herald.server.chat import ChatTemplate
+from herald.server.defaults import DenoiseDefaults
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
 
@@ -19,7 +20,8 @@ class ServerState:
     ``model_name`` is the model id reported by ``/v1/models`` and in responses; requests may
     name it or one of ``aliases``. The mode (dense, herald, mage or infinigen) and budget are the
     engine's, fixed at launch. Without a ``chat_template``, ``model_name`` is taken for the
-    checkpoint (directory or preset) whose template to use."""
+    checkpoint (directory or preset) whose template to use. ``denoise``: how a request that
+    sets neither ``steps`` nor ``threshold`` denoises."""
 
     engine_loop: EngineLoop
     tokenizer: Tokenizer
@@ -28,6 +30,7 @@ class ServerState:
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
     aliases: tuple[str, ...] = ()
+    denoise: DenoiseDefaults = field(default_factory=DenoiseDefaults)
 
     def __post_init__(self) -> None:
         if self.chat_template is None:

@@ -279,3 +279,66 @@ def test_the_memory_check_counts_the_int8_gpu_copy_of_k(monkeypatch):
         assert extra - _check_kv_memory(args, cfg, cpu, plain, torch.bfloat16) == pytest.approx(
             copy
         )
+
+
+def test_a_request_value_wins_over_the_server_denoising_default():
+    """vLLM's rule: a request's own value wins; ``steps`` overrides ``threshold``, so a request
+    that gives ``threshold`` alone runs threshold mode even where the server's default is
+    fixed steps."""
+    from herald.server.defaults import DenoiseDefaults
+
+    server = DenoiseDefaults(threshold=0.8, steps=3)
+    assert server.resolve(None, None) == (0.8, 3)
+    assert server.resolve(None, 2) == (0.8, 2)
+    assert server.resolve(0.9, None) == (0.9, None)
+    assert server.resolve(0.9, 2) == (0.9, 2)
+    assert DenoiseDefaults(threshold=0.8).resolve(None, None) == (0.8, None)
+    assert DenoiseDefaults() == DenoiseDefaults(threshold=0.95, steps=None)  # the engine's
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--threshold", "0"], "--threshold must be in (0, 1], got 0"),
+        (["--threshold", "1.5"], "--threshold must be in (0, 1], got 1.5"),
+        (["--threshold", "nan"], "--threshold must be a finite number, got nan"),
+        (["--steps", "0"], "--steps must be in [1, "),
+        (["--steps", "-2", "--threshold", "0.5"], "--steps must be in [1, "),
+    ],
+)
+def test_denoising_defaults_are_checked_before_the_model_loads(flags, needle, monkeypatch, capsys):
+    _no_model(monkeypatch)
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+@pytest.mark.parametrize(
+    "flags, threshold, steps", [([], 0.95, None), (["--steps", "3", "--threshold", "0.8"], 0.8, 3)]
+)
+def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps, monkeypatch):
+    from herald.server import launch
+    from herald.server.defaults import DenoiseDefaults
+
+    built: dict[str, object] = {}
+
+    def build_app(*args, **kwargs):
+        built.update(kwargs)
+        return object()
+
+    monkeypatch.setattr(launch, "build_app", build_app)
+    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: None)
+    assert main(["serve", "--model", "tiny-sdar", "--device", "cpu", "--port", "0", *flags]) == 0
+    assert built["denoise"] == DenoiseDefaults(threshold=threshold, steps=steps)
+
+
+def test_the_app_keeps_its_denoising_defaults_and_names_them_when_ready():
+    from herald.server.defaults import SERVE_DEFAULTS, DenoiseDefaults
+    from herald.server.launch import banner, build_app
+
+    engine = SERVE_DEFAULTS.replace(max_seq_len=256)
+    app = build_app("tiny-sdar", engine, warm_up=False, denoise=DenoiseDefaults(steps=3))
+    assert app.state.herald.denoise == DenoiseDefaults(steps=3)
+    assert ", by default 3 denoising steps per block;" in banner(app, "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="threshold must be in"):
+        build_app("no-such-model", engine, denoise=DenoiseDefaults(threshold=2.0))
