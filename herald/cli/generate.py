@@ -232,16 +232,16 @@ def _prompt_ids(args: argparse.Namespace, text: str, tokenizer: Any, config: Any
 
 def _decode(engine: Any, ids: list[int], params: SamplingParams, quiet: bool) -> Any:
     """Run one request to completion with a progress bar; returns it."""
-    from tqdm import tqdm
+    from herald.progress import progress
 
     req = engine.add_request(ids, params)  # refused here, before any work, if it cannot fit
-    opts: dict[str, Any] = {"unit": "tok", "disable": quiet, "file": sys.stderr}
+    opts: dict[str, Any] = {"unit": "tok", "disable": quiet}
     if req.layout.num_prefill_tokens:  # the prompt's whole blocks, then the decoding
-        with tqdm(total=req.layout.num_prefill_tokens, desc="prefill", **opts) as pre:
+        with progress(total=req.layout.num_prefill_tokens, desc="prefill", **opts) as pre:
             while engine.has_unfinished() and req.status is RequestStatus.WAITING:
                 engine.step()
                 pre.update(min(pre.total, engine.stats.num_prefill_tokens) - pre.n)
-    bar = tqdm(total=params.max_new_tokens, desc="decoding", **opts)
+    bar = progress(total=params.max_new_tokens, desc="decoding", **opts)
     while engine.has_unfinished():
         engine.step()
         bar.update(max(0, len(req.output_ids) - bar.n))

@@ -237,13 +237,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     from herald.bench.common import command_line, machine_info
-    from herald.eval.progress import progress
     from herald.eval.recall import run_analysis
     from herald.eval.runner import run_unit
     from herald.eval.selection import select_examples
     from herald.eval.sources import Corpus
     from herald.eval.tasks import selection_hash
     from herald.models.loader import load_model
+    from herald.progress import progress
 
     device = resolve_device(args.device)
     if device.type == "cpu" and args.analysis_examples > 0:

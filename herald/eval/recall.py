@@ -362,7 +362,7 @@ def run_analysis(
 
     Returns ``{"config", "pairs": [analyse_pair(...) + "example"], "summary": summarise(...)}``.
     """
-    from herald.eval.progress import progress
+    from herald.progress import progress
 
     chosen = examples[: acfg.num_examples]
     nd = min(acfg.num_dense_layers, config.num_layers)

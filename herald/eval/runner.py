@@ -22,10 +22,10 @@ from typing import Any
 
 from herald.config import EngineConfig, OffloadConfig, SamplingParams
 from herald.eval.metrics import HEADLINE, predict, score
-from herald.eval.progress import progress
 from herald.eval.tasks import Example, selection_hash
 from herald.models.base import BlockDiffusionLM
 from herald.models.config import ModelConfig
+from herald.progress import progress
 
 OFFLOAD_MODES = ("mage", "infinigen", "herald")
 MODES = ("dense", "control", *OFFLOAD_MODES)

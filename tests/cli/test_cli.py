@@ -410,3 +410,25 @@ def test_an_old_name_with_its_new_one_is_refused(capsys):
         with pytest.raises(SystemExit):  # argparse's prefixes of either name count too
             main(["bench", "forward", *argv, "--dry-run"])
         assert "--budget is the old name of --kv-budget" in capsys.readouterr().err
+
+
+def test_generate_paces_its_bars_for_a_log(capsys, monkeypatch):
+    """stderr captured (not a terminal): the prefill and decoding bars take the log pacing of
+    :mod:`herald.progress` (a line per tenth of their totals), not tqdm's timer."""
+    import herald.progress
+
+    asked: list[tuple[int | None, bool]] = []
+    real = herald.progress.bar_options
+
+    def recording(total: int | None, terminal: bool) -> dict:
+        asked.append((total, terminal))
+        return real(total, terminal)
+
+    monkeypatch.setattr(herald.progress, "bar_options", recording)
+    prompt = "def f(x):\n    return x\n" * 8  # over one block: a prefill bar too
+    argv = ["generate", "--model", "tiny-sdar", "--device", "cpu", "--prompt", prompt]
+    assert main([*argv, "--max-new-tokens", "40"]) == 0
+    assert len(asked) == 2 and all(not terminal for _, terminal in asked)
+    assert asked[1][0] == 40  # the decoding bar's total
+    err = capsys.readouterr().err
+    assert "prefill" in err and "decoding" in err

@@ -1,7 +1,9 @@
-"""``herald eval``'s progress bars on stderr: tqdm's, paced for where stderr goes.
+"""The progress bars of ``herald eval`` and ``herald generate`` on stderr: tqdm's, paced for
+where stderr goes.
 
 On a terminal tqdm redraws its bar in place, at most every 0.1 s. In a log file, a pipe or a
-CI log every redraw stays as a line of its own, and an eval runs for hours: there a bar draws
+CI log every redraw stays as a line of its own, and an eval runs for hours (a long prompt's
+prefill for minutes): there a bar draws
 once per tenth of its total (:data:`NON_TTY_STEPS`), through tqdm's own ``miniters``, with its
 time-based pacing off so that the count alone sets the rate (:func:`bar_options`).
 """

@@ -1,5 +1,6 @@
-"""``herald eval``'s progress bars: tqdm's own pacing on a terminal, one line per tenth of the
-total elsewhere (a log file, a pipe, CI), set by the count alone, never by a clock."""
+"""The progress bars of ``herald eval`` and ``herald generate``: tqdm's own pacing on a
+terminal, one line per tenth of the total elsewhere (a log file, a pipe, CI), set by the count
+alone, never by a clock."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 
 import pytest
 
-from herald.eval.progress import NON_TTY_STEPS, bar_options, progress
+from herald.progress import NON_TTY_STEPS, bar_options, progress
 
 
 class _Terminal(io.StringIO):
