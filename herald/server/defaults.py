@@ -23,7 +23,7 @@ class DenoiseDefaults:
     request that gives ``threshold`` alone has chosen threshold mode and runs it with its
     threshold, also on a server whose default is fixed steps (:meth:`resolve`)."""
 
-    threshold: float = 0.95
+    threshold: float = SamplingParams.threshold
     """Threshold mode: accept every masked position whose confidence is above this, at least
     one per step; in (0, 1]."""
     steps: int | None = None
