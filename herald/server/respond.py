@@ -134,6 +134,10 @@ def _chunk(reply: Reply, c: Choice, ev: Event | None, first: bool) -> dict[str, 
     return chunk
 
 
+_DONE = "data: [DONE]\n\n"
+"""A stream's last event."""
+
+
 def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -170,10 +174,7 @@ async def sse(reply: Reply) -> AsyncIterator[str]:
         for c in reply.choices:  # when the body ended before events() began
             if c.finish is None and c.handle is not None:
                 state.engine_loop.cancel(c.handle)
-    yield "data: [DONE]\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
+    yield _DONE
 
 
 class EventStream(StreamingResponse):
@@ -197,7 +198,7 @@ class EventStream(StreamingResponse):
             if message["type"] == "http.response.start":
                 started = True
             elif message["type"] == "http.response.body":
-                ended = ended or bytes(message.get("body", b"")).endswith(_DONE)
+                ended = ended or bytes(message.get("body", b"")).endswith(_DONE.encode())
             await send(message)
 
         try:
@@ -209,5 +210,5 @@ class EventStream(StreamingResponse):
             tail = b""
             if not ended:
                 err = error_body(503, SHUTTING_DOWN, code="server_shutting_down")
-                tail = _data(err).encode() + _DONE
+                tail = (_data(err) + _DONE).encode()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
