@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from herald.bench.plotting import pyplot, skipped
+from herald.bench.throughput_plan import ctx_label
 
 JSONL_NAME = "serve_bench.jsonl"
 
@@ -254,7 +255,7 @@ def _plot_rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[float | None]
                 continue
             gen, dec = lv.get("engine_generated_tokens"), lv.get("engine_decode_s")
             label = (f"{lv['time_utc'][5:16].replace('T', ' ')}\n{lv['mode']} "
-                     f"{round(lv['prompt_tokens'] / 1024)}K x{lv['concurrency']}")  # fmt: skip
+                     f"{ctx_label(lv['prompt_tokens'])} x{lv['concurrency']}")  # fmt: skip
             rows.append((label, [cmp["generated_tokens_per_s"], cmp["served_tokens_per_s"],
                                  gen / dec if gen and dec else None,
                                  cmp["bench_tokens_per_s"]]))  # fmt: skip

@@ -277,7 +277,7 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     assert "| 60.0 | - | - | - | - | - |" in row1 and row1.endswith("| - | - |")
     # the plot's bars: only the level with engine counters, its four rates in order
     (plotted,) = _plot_rows([run])
-    assert plotted == ("01-01 00:00\nherald 0K x4", [60.0, 64.0, None, 80.0])
+    assert plotted == ("01-01 00:00\nherald 256 x4", [60.0, 64.0, None, 80.0])
     has_plot = (tmp_path / PLOT_NAME).exists()
     assert has_plot == (pyplot() is not None) == (f"]({PLOT_NAME})" in "\n".join(lines))
 
