@@ -47,6 +47,7 @@ from herald.bench.serve_report import (
     group_runs,
     load_records,
     table,
+    table_notes,
     write_readme,
 )
 from herald.bench.serve_run import (
@@ -366,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
                and r["levels"][0]["run_id"] == records.run_id]  # fmt: skip
     records.add({"kind": "summary", "rows": comparison(this["levels"], this["points"])})
     write_readme(args.out)
-    print(table(this["levels"], this["points"]))
+    print("\n".join([table(this["levels"], this["points"]),
+                     *table_notes(this["levels"], this["points"])]))  # fmt: skip
     log(f"wrote {args.out / JSONL_NAME} and {args.out / 'README.md'}")
     if failed:
         print(f"error: {failed} request(s) failed (see the records' errors)", file=sys.stderr)

@@ -153,6 +153,32 @@ def table(levels: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
     return "\n".join([head, *(_row(lv, points) for lv in levels)])
 
 
+def _why_no_point(lv: dict[str, Any]) -> str:
+    """Why level ``lv`` has no throughput point."""
+    if lv.get("url") is not None:
+        return "--throughput-point needs the server this benchmark starts, not --url"
+    if "steps" in lv and not lv["steps"]:
+        return "--throughput-point needs --steps >= 1"
+    if "throughput_command" in lv and lv["throughput_command"] is None:
+        return "no throughput benchmark variant has the served engine's settings"
+    if lv.get("throughput_point"):
+        return "measured once every level has run"
+    return "add --throughput-point"
+
+
+def table_notes(levels: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[str]:
+    """Why :func:`table` shows '-' where it does for lack of a figure: one line per cause (the
+    engine's counters, the throughput point), none when nothing is missing."""
+    notes = []
+    if any(lv.get("engine_prefill_s") is None for lv in levels):
+        notes.append("engine prefill / decode / idle s, mean batch, served tok/s: '-' where the "
+                     "server gave no engine counters on /metrics")  # fmt: skip
+    whys = sorted({_why_no_point(lv) for lv in levels if _point(lv, points) is None})
+    if whys:
+        notes.append(f"throughput bench tok/s, served / bench: not measured ({'; '.join(whys)})")
+    return notes
+
+
 def _machine(head: dict[str, Any] | None) -> str:
     if head is None:
         return "not recorded"
@@ -203,9 +229,10 @@ def run_section(run: dict[str, Any]) -> str:
     if head is not None:
         lines += ["", f"Command: `{head.get('command', '?')}`"]
     lines += ["", table(run["levels"], run["points"])]
+    lines += [x for note in table_notes(run["levels"], run["points"]) for x in ("", note)]
     cmd = first.get("throughput_command")
     if not run["points"] and cmd:
-        lines += ["", f"Throughput figure beside it (not measured in this run): `{cmd}`"]
+        lines += ["", f"Throughput figure beside it: `{cmd}`"]
     for lv in run["levels"]:
         line = first_vs_last(lv)
         if line:

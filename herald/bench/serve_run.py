@@ -268,6 +268,7 @@ def level_head(plan: Plan, card: dict[str, Any], server: dict[str, Any]) -> dict
         "dtype": str(plan.dtype).removeprefix("torch.") if local else None,
         "url": a.url, "server": server, "max_tokens": a.max_tokens, "steps": a.steps or None,
         "ignore_eos": a.ignore_eos, "duration_limit_s": a.duration_limit_s,
+        "throughput_point": bool(a.throughput_point and local),
     }  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from herald.bench.serve_report import (
     comparison,
     group_runs,
     load_records,
+    table_notes,
     write_readme,
 )
 from herald.bench.serve_report import main as report_main
@@ -90,7 +91,11 @@ def test_two_levels_of_stdlib_prompts(tmp_path: Path, capsys: pytest.CaptureFixt
     assert all(r.endswith("| - | - |") for r in rows)  # no throughput point: no ratio
     for row, lv in zip(rows, levels, strict=True):
         assert f"| {lv['served_tokens_per_s']:.1f} |" in row
-    assert "Throughput figure beside it (not measured in this run): `herald bench" in readme
+    assert "Throughput figure beside it: `herald bench" in readme
+    # the '-' of the throughput columns says why, once, on the screen and in the README
+    note = "throughput bench tok/s, served / bench: not measured (add --throughput-point)"
+    assert out.count(note) == 1 and readme.count(note) == 1
+    assert "no engine counters" not in out + readme  # every level has them
 
 
 def _check_prompts(prompts: dict[str, Any], n: int) -> None:
@@ -136,8 +141,10 @@ def test_the_throughput_point_beside_each_level(
     (cmp,) = summary["rows"]
     assert cmp["bench_tokens_per_s"] == bench and cmp["concurrency"] == 2
     assert cmp["served_over_bench"] == pytest.approx(level["served_tokens_per_s"] / bench)
-    row = next(r for r in (tmp_path / "README.md").read_text().splitlines() if f"| {mode}" in r)
+    readme = (tmp_path / "README.md").read_text()
+    row = next(r for r in readme.splitlines() if f"| {mode}" in r)
     assert row.endswith(f"| {bench:.1f} | {cmp['served_over_bench']:.2f} |")
+    assert "served / bench: not measured" not in readme and "no engine counters" not in readme
     (tmp_path / "README.md").unlink()
     assert report_main([str(tmp_path)]) == 0 and row in (tmp_path / "README.md").read_text()
 
@@ -278,8 +285,32 @@ def test_the_report_sets_the_served_rate_beside_the_throughput_point(tmp_path: P
     # the plot's bars: only the level with engine counters, its four rates in order
     (plotted,) = _plot_rows([run])
     assert plotted == ("01-01 00:00\nherald 256 x4", [60.0, 64.0, None, 80.0])
+    # the level without counters or point: its '-' explained under the table
+    text = "\n".join(lines)
+    assert "\n\nengine prefill / decode / idle s, mean batch, served tok/s: '-' where" in text
+    assert "served / bench: not measured (add --throughput-point)" in text
     has_plot = (tmp_path / PLOT_NAME).exists()
     assert has_plot == (pyplot() is not None) == (f"]({PLOT_NAME})" in "\n".join(lines))
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({}, "add --throughput-point"),
+        ({"throughput_point": True}, "measured once every level has run"),
+        ({"url": "http://h:1"}, "--throughput-point needs the server this benchmark starts"),
+        ({"steps": None}, "--throughput-point needs --steps >= 1"),
+        ({"throughput_command": None}, "no throughput benchmark variant has the served engine"),
+    ],
+)
+def test_the_notes_say_why_the_throughput_columns_are_empty(extra: dict, why: str) -> None:
+    counters = {"engine_prefill_s": 0.5}
+    (note,) = table_notes([_level(2, **counters, **extra)], [])
+    assert note.startswith("throughput bench tok/s, served / bench: not measured (" + why), note
+    point = {"prompt_tokens": 256, "concurrency": 2, "status": "ok", "decode_tokens_per_s": 1.0}
+    assert table_notes([_level(2, **counters)], [point]) == []
+    (gauges,) = table_notes([_level(2)], [point])
+    assert "'-' where the server gave no engine counters on /metrics" in gauges
 
 
 @pytest.mark.parametrize(
