@@ -177,6 +177,25 @@ def banner(app: FastAPI, url: str) -> str:
     )
 
 
+class _ShutdownCut(logging.Filter):
+    """On uvicorn's logger: its ERROR line "Cancel N running task(s), timeout graceful shutdown
+    exceeded" becomes one warning of herald's. Those requests are answered: a non-streamed one
+    gets a 503 ``server_shutting_down``, a stream that error as its last event, then ``data:
+    [DONE]`` (:class:`~herald.server.respond.EventStream`): the designed end of a shutdown that
+    ran out of time, not a server error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "timeout graceful shutdown exceeded" not in str(record.msg):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        log.warning("shutdown: %s request(s) still running after the shutdown timeout were cut "
+                    "(answered server_shutting_down)", args[0] if args else "some")  # fmt: skip
+        return False
+
+
+_SHUTDOWN_CUT = _ShutdownCut()
+
+
 def make_server(
     app: FastAPI,
     sock: socket.socket,
@@ -205,6 +224,7 @@ def make_server(
         log_level=log_level,
         lifespan="on",
     )
+    logging.getLogger("uvicorn.error").addFilter(_SHUTDOWN_CUT)  # once, however many servers
     return ReadyServer(config)
 
 

@@ -185,8 +185,9 @@ class EventStream(StreamingResponse):
     ``CancelledError`` out, which uvicorn logs as an "Exception in ASGI application" traceback
     before it drops the connection; the client sees a stream cut short with no reason. Here the
     stream ends as a non-streamed request cut so is answered: an error event of code
-    ``server_shutting_down`` (a 503's body), then ``data: [DONE]``; uvicorn's own line saying it
-    cancelled the requests is the only one logged. A client's disconnect does not come here:
+    ``server_shutting_down`` (a 503's body), then ``data: [DONE]``; the one line logged is
+    herald's warning that the shutdown cut N requests (:func:`~herald.server.launch.make_server`
+    turns uvicorn's ERROR line into it). A client's disconnect does not come here:
     Starlette ends the body itself then, the request's task is not cancelled.
     """
 
