@@ -49,11 +49,18 @@ class AttentionBackend(Protocol):
 
 
 class QueryRecorder:
-    """Wraps a backend and keeps each layer's queries (the first block's exact selection)."""
+    """Wraps a backend and keeps each layer's queries (the first block's exact selection).
+
+    ``q[layer_id]``: the last forward's queries of that layer as the layer passed them,
+    ``[bs, L, num_heads, head_dim]`` (post QK-norm and RoPE, model dtype and device; the
+    offloading engine's first selection: ``bs`` 1, ``L`` the block size B). The tensor itself,
+    not a copy: under CUDA graphs it is a graph's static buffer, which the next forward of that
+    shape overwrites. Keys and values are not kept."""
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.q: dict[int, torch.Tensor] = {}
+        """layer_id -> [bs, L, num_heads, head_dim], the layer's last queries."""
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

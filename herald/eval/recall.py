@@ -2,7 +2,7 @@
 
 Data (:mod:`herald.bench.capture`): one dense decode per example
 (:class:`~herald.engine.dense.DenseEngine`, eager, batch 1) with a recorder wrapped around the
-engine's attention backend, the pattern of the offload engine's ``_QueryRecorder``: every
+engine's attention backend, the pattern of :class:`~herald.attention.base.QueryRecorder`: every
 forward's post-RoPE q/k/v of every layer is kept. From them: the committed KV of the prompt and
 of each completed block (prefill chunks and commit forwards), and the queries and own keys of
 every denoising step of every block. Everything else is computed here from those tensors with
