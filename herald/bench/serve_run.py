@@ -284,7 +284,8 @@ def _throughput_command(plan: Plan, prompt_tokens: int) -> str | None:
     kv_pad = plan.engine.kv_pad
     budget = plan.offload.kv_budget if plan.offload is not None else None
     return throughput_command(a.model, plan.device.type, variant, budget, prompt_tokens,
-                              list(a.concurrency), a.steps, kv_pad)  # fmt: skip
+                              sorted({min(c, plan.engine.max_batch_size) for c in a.concurrency}),
+                              a.steps, kv_pad)  # fmt: skip
 
 
 def run_levels(plan: Plan, url: str, head: dict[str, Any], records: Records) -> int:
@@ -355,15 +356,19 @@ def run_points(plan: Plan, net: Any, config: Any, head: dict[str, Any], records:
     if variant is None or plan.engine is None:
         log("throughput points: no throughput variant has the served engine's settings")
         return
+    # The served engine runs at most max_batch_size rows whatever the concurrency: the point's
+    # batch is the one the server decodes at.
+    top = plan.engine.max_batch_size
     pairs = [(p, c) for p in a.prompt_tokens for c in a.concurrency]
-    points = ServedPoints(net, config, plan.device, plan.engine, variant, a.steps, pairs)
+    sizes = [(p, min(c, top)) for p, c in pairs]
+    points = ServedPoints(net, config, plan.device, plan.engine, variant, a.steps, sizes)
     try:
-        for p, c in pairs:
-            log(f"throughput point: {variant}, context {p}, batch {c}, steps {a.steps}")
-            m = points.measure(p, c)
+        for (p, c), (_, b) in zip(pairs, sizes, strict=True):
+            log(f"throughput point: {variant}, context {p}, batch {b}, steps {a.steps}")
+            m = points.measure(p, b)
             records.add({"kind": "throughput_point", "model": a.model, "mode": plan.mode,
                          "kv_budget": head["kv_budget"], "dtype": head["dtype"],
-                         "variant": variant, "prompt_tokens": p, "concurrency": c,
+                         "variant": variant, "prompt_tokens": p, "concurrency": c, "batch": b,
                          "steps": a.steps, "command": _throughput_command(plan, p),
                          **m})  # fmt: skip
             write_readme(a.out)

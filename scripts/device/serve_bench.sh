@@ -32,7 +32,8 @@
 # Files back: gpu.txt, serve_bench.jsonl, README.md, serve_bench.log, server.log. Keep them by appending
 # serve_bench.jsonl to results/serve_bench/serve_bench.jsonl and rebuilding its README here:
 # python -m herald.bench.serve_report results/serve_bench.
-# Env: MODES ("dense herald"), PROMPT (16256), CONC ("1 8 32"), MAX_TOKENS (128), STEPS (20),
+# Env: MODEL (llada2-mini; sdar-8b-chat is the other preset), MODES ("dense herald"),
+# PROMPT (16256), CONC ("1 8 32"), MAX_TOKENS (128), STEPS (20),
 # DURATION (45), PREFILL (65536), LIMIT (250), EXTRA (more flags, e.g. "--requests 16").
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,7 +46,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 cat "$OUT/gpu.txt"
 rc=0
 for mode in ${MODES:-dense herald}; do
-    timeout "${LIMIT:-250}" python3 -m herald.bench.serve --model llada2-mini --device cuda \
+    timeout "${LIMIT:-250}" python3 -m herald.bench.serve --model "${MODEL:-llada2-mini}" --device cuda \
         --mode "$mode" --prompt-tokens "${PROMPT:-16256}" --concurrency ${CONC:-1 8 32} \
         --max-tokens "${MAX_TOKENS:-128}" --steps "${STEPS:-20}" \
         --duration-limit-s "${DURATION:-45}" --max-prefill-tokens "${PREFILL:-65536}" \

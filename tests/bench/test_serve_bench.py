@@ -116,16 +116,18 @@ def _check_prompts(prompts: dict[str, Any], n: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "variant", "server"),
-    [("dense", "dense", "process"), ("herald", "herald-selected", "thread")],
+    ("mode", "variant", "server", "batch"),
+    [("dense", "dense", "process", 2), ("herald", "herald-selected", "thread", 1)],
 )
 def test_the_throughput_point_beside_each_level(
-    mode: str, variant: str, server: str, tmp_path: Path
+    mode: str, variant: str, server: str, batch: int, tmp_path: Path
 ) -> None:
     """The point is measured on the served model: rebuilt here after a child server, the
-    thread server's own otherwise."""
+    thread server's own otherwise; at the batch the server decodes at, the concurrency or
+    --max-batch-size where that is smaller."""
     argv = ["--model", "tiny-sdar", "--mode", mode, "--prompt-tokens", "64", "--concurrency", "2"]
     argv += ["--requests", "2", *SMALL, "--throughput-point", "--server", server]
+    argv += ["--max-batch-size", str(batch)]
     assert serve.main([*argv, "--out", str(tmp_path)]) == 0
     _, level, point, summary = _records(tmp_path)
     assert level["kind"] == "level" and level["completed"] == 2 and level["mode"] == mode
@@ -133,10 +135,11 @@ def test_the_throughput_point_beside_each_level(
     assert (tmp_path / "server.log").exists() == (server == "process")
     assert point["kind"] == "throughput_point" and point["run_id"] == level["run_id"]
     assert (point["prompt_tokens"], point["concurrency"], point["steps"]) == (64, 2, 2)
+    assert point["batch"] == batch
     assert point["variant"] == variant and point["status"] == "ok", point.get("error")
     assert point["decode_tokens_per_s"] > 0
     assert f"--context 64 --mode {variant} " in point["command"]
-    assert "--batches 2 --steps 2" in point["command"]
+    assert f"--batches {batch} --steps 2" in point["command"]
     bench = point["decode_tokens_per_s"]
     (cmp,) = summary["rows"]
     assert cmp["bench_tokens_per_s"] == bench and cmp["concurrency"] == 2
