@@ -121,19 +121,41 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises.
     Ctrl-C at any time, also while the modules and the model load, prints ``interrupted`` and
-    exits 130 (128 + SIGINT, as a shell reports a command it interrupted)."""
+    exits 130 (128 + SIGINT, as a shell reports a command it interrupted), also where a library
+    swallowed the KeyboardInterrupt or turned it into another error (:mod:`.interrupt`)."""
     try:
-        return _run(argv)
-    except KeyboardInterrupt:
+        from herald.cli import interrupt
+
+        with interrupt.recorded():
+            code = _run(argv)
+            interrupt.check()  # one that a library swallowed: the command ran on to its end
+            return code
+    except BaseException as e:
+        if not _after_ctrl_c(e):
+            raise
         print("interrupted", file=sys.stderr)
         return 130
 
 
-def _run(argv: list[str] | None) -> int:
-    from herald.cliargs import check_alias_conflicts
-    from herald.env import settings
+def _after_ctrl_c(e: BaseException) -> bool:
+    """Whether ``e`` is a Ctrl-C's KeyboardInterrupt or an error that followed one."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    from herald.cli import interrupt  # main got past this import
 
-    parser = build_parser()
+    return interrupt.seen()
+
+
+def _run(argv: list[str] | None) -> int:
+    from herald.cli import interrupt
+
+    # torch's import breaks on a KeyboardInterrupt at an arbitrary point (herald.cli.interrupt):
+    # a Ctrl-C while the modules load stops the command once they have loaded
+    with interrupt.deferred():
+        from herald.cliargs import check_alias_conflicts
+        from herald.env import settings
+
+        parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     leaf = getattr(args, "_parser", parser)
     if extra:  # argparse would report them under the top-level usage
@@ -143,6 +165,7 @@ def _run(argv: list[str] | None) -> int:
         settings()  # every HERALD_* switch checked up front, whichever of them the command uses
         return int(args.handler(args))
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError) as e:
+        interrupt.check()  # an error that followed a Ctrl-C is the Ctrl-C's
         if getattr(args, "debug", False):
             raise
         msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
@@ -157,6 +180,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"error: {kind}{msg}", file=sys.stderr)
         return 2
     except Exception as e:  # e.g. safetensors / tokenizers parse errors on a broken checkpoint
+        interrupt.check()
         if getattr(args, "debug", False):
             raise
         print(

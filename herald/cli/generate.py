@@ -251,6 +251,7 @@ def _decode(engine: Any, ids: list[int], params: SamplingParams, quiet: bool) ->
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from herald.cli import interrupt
     from herald.engines import build_engine
 
     device = resolve_device(args.device)
@@ -261,6 +262,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, config, tokenizer = _load(args, device, dtype)
     load_s = time.perf_counter() - t0
+    interrupt.check()  # a Ctrl-C that the load's libraries swallowed: not on to the decoding
     ids = _prompt_ids(args, text, tokenizer, config)
     max_len = len(ids) + args.max_new_tokens + config.block_size
     cfg = EngineConfig(max_batch_size=1, max_seq_len=max_len, kv_pad=args.kv_pad, offload=offload)

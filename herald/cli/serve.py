@@ -295,6 +295,7 @@ def _check_kv_memory(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from herald.cli import interrupt
     from herald.models.loader import is_preset
     from herald.server.defaults import SERVE_DEFAULTS
     from herald.server.launch import build_app, reserve_port, serve
@@ -363,6 +364,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(
                 f"NOTE: '{args.model}' has RANDOM weights: completions are noise.", file=sys.stderr
             )
+        interrupt.check()  # a Ctrl-C that the load's libraries swallowed: not on to serving
         serve(app, sock=sock, limits=limits)
     finally:
         sock.close()

@@ -1,18 +1,23 @@
 """Ctrl-C on the ``herald`` command: one ``interrupted`` line and exit status 130, whenever it
-comes, also while Python still imports torch (the first seconds of every command).
+comes, also while Python still imports torch (the first seconds of every command) and where a
+library swallows the KeyboardInterrupt (:mod:`herald.cli.interrupt`).
 
 The interrupt is sent at a point fixed by what the process does, not after a delay: an import
-hook in the child sends the child SIGINT when the import named begins."""
+hook in the child sends the child SIGINT when the import named begins; in this process,
+``signal.raise_signal`` runs the handler before it returns."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
-from herald.cli import main
+from herald.cli import interrupt, main
 
 CHILD = textwrap.dedent(
     """
@@ -46,6 +51,109 @@ def test_ctrl_c_while_the_modules_load(module: str) -> None:
     assert out.returncode == 130, out.stderr
     assert out.stderr.splitlines() == ["interrupted"], out.stderr
     assert out.stdout == ""
+
+
+def test_ctrl_c_while_torch_imports_numpy() -> None:
+    """torch's extension imports numpy from C++ and dropped the KeyboardInterrupt: the command
+    ran to its end and exited 0."""
+    argv = [sys.executable, "-c", CHILD, "numpy", "generate", "--model", "tiny-sdar"]
+    argv += ["--device", "cpu", "--prompt", "x", "--max-new-tokens", "1", "--quiet"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr.splitlines() == ["interrupted"], out.stderr
+    assert out.stdout == ""
+
+
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """SIGINT handled by Python's own handler, as in the ``herald`` script."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def swallowed_ctrl_c() -> None:
+    """A Ctrl-C that the code it interrupts drops (as torch's C++ did)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_swallowed_ctrl_c_is_still_seen(python_sigint) -> None:
+    with interrupt.recorded():
+        swallowed_ctrl_c()
+        assert interrupt.seen()
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupt.recorded():
+        assert not interrupt.seen()
+
+
+def test_a_deferred_ctrl_c_comes_at_the_end_and_a_second_at_once(python_sigint) -> None:
+    steps = []
+    with interrupt.recorded(), pytest.raises(KeyboardInterrupt), interrupt.deferred():
+        signal.raise_signal(signal.SIGINT)
+        steps.append("ran on")
+    assert steps == ["ran on"]
+    with interrupt.recorded(), pytest.raises(KeyboardInterrupt), interrupt.deferred():
+        signal.raise_signal(signal.SIGINT)
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            steps.append("second")
+    assert steps == ["ran on", "second"]
+
+
+@pytest.mark.parametrize("then", [None, ImportError("half-imported"), RuntimeError("broken")])
+def test_a_swallowed_ctrl_c_ends_the_command(then, python_sigint, monkeypatch, capsys, tmp_path):
+    """The command ran on (exit 0), or failed on what the interrupt left half done (exit 2,
+    ``error: RecursionError``); either is reported as the interrupt."""
+    import herald.cli
+
+    def command(args) -> int:
+        swallowed_ctrl_c()
+        if then is not None:
+            raise then
+        return 0
+
+    monkeypatch.setattr(herald.cli, "cmd_init_random", command)
+    assert main(["init-random", "--preset", "tiny-sdar", "--out", str(tmp_path / "c")]) == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted"]
+
+
+def test_ctrl_c_while_the_modules_load_waits_for_them(python_sigint, monkeypatch, capsys) -> None:
+    """A Ctrl-C while the parser's modules import is raised once they have imported."""
+    import herald.cli
+
+    built = []
+    build = herald.cli.build_parser
+
+    def build_parser():
+        signal.raise_signal(signal.SIGINT)
+        built.append(build())
+        return built[-1]
+
+    monkeypatch.setattr(herald.cli, "build_parser", build_parser)
+    assert main(["generate", "--prompt", "x"]) == 130
+    assert len(built) == 1 and capsys.readouterr().err.splitlines() == ["interrupted"]
+
+
+def test_a_ctrl_c_swallowed_while_the_model_loads_stops_generate(
+    python_sigint, monkeypatch, capsys
+) -> None:
+    from herald.cli import generate
+
+    def load(*args):
+        swallowed_ctrl_c()
+        return None, None, None
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("decoding began after the Ctrl-C")
+
+    monkeypatch.setattr(generate, "_load", load)
+    monkeypatch.setattr("herald.engines.build_engine", no_engine)
+    assert main(["generate", "--model", "tiny-sdar", "--device", "cpu", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted"]
 
 
 def test_ctrl_c_while_the_model_loads(monkeypatch, capsys) -> None:
