@@ -11,22 +11,22 @@ floor (:mod:`herald.bench.forward`), ``herald bench serve`` loads a real ``heral
 (:mod:`herald.bench.serve`), ``herald init-random`` writes a random-weight checkpoint.
 Every subcommand's help is plain text with its defaults (:mod:`herald.cliargs`).
 
-This module imports nothing heavy at its top: the ``herald`` script imports it before
-:func:`main` runs, and importing torch takes seconds, so a Ctrl-C then would escape every
-handler as a traceback. :func:`main` imports the subcommands (and torch) itself, inside its
-handler of Ctrl-C.
+This module imports nothing but ``sys`` at its top (not even ``argparse`` or ``typing``): the
+``herald`` script imports it before :func:`main` runs, and a Ctrl-C then escapes every handler
+as a traceback. :func:`main` imports the subcommands (and torch) itself, inside its handler of
+Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
-import time
-from pathlib import Path
-from typing import Any
 
 from herald import __version__
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing
+if TYPE_CHECKING:
+    import argparse
+    from typing import Any
 
 __all__ = ["DEFAULT_MODEL", "build_parser", "main"]
 
@@ -46,6 +46,9 @@ separated by spaces or commas."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
+    from pathlib import Path
+
     from herald.cli import generate, serve
     from herald.cli.common import parse_dtype
     from herald.cliargs import use_help_formatter
@@ -83,18 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_NEGATIVE = re.compile(r"^-\d+(\.\d+)?[KkMm]?$|^-\d*\.\d+$")
+_NEGATIVE = r"^-\d+(\.\d+)?[KkMm]?$|^-\d*\.\d+$"
 
 
 def _mark_leaves(parser: argparse.ArgumentParser) -> None:
     """Give every (sub)command's parser itself as the ``_parser`` default, so an unknown option
     is reported with that command's usage, not the top level's; and let negative token counts
     with a suffix parse as values."""
+    import argparse
+    import re
+
     parser.set_defaults(_parser=parser)
     # "-4K" is a (refused) negative count, not an option: argparse's own test knows only plain
     # numbers, so "--max-seq-len -4K" said "expected one argument" (no option looks like this)
     if hasattr(parser, "_negative_number_matcher"):
-        parser._negative_number_matcher = _NEGATIVE
+        parser._negative_number_matcher = re.compile(_NEGATIVE)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser
@@ -108,6 +114,8 @@ def _preset_names() -> list[str]:
 
 
 def cmd_init_random(args: argparse.Namespace) -> int:
+    import time
+
     from herald.models.loader import write_random_checkpoint
 
     t0 = time.perf_counter()

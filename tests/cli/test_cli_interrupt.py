@@ -168,3 +168,12 @@ def test_ctrl_c_while_the_model_loads(monkeypatch, capsys) -> None:
     assert main(["serve", "--model", "tiny-sdar", "--port", "0"]) == 130
     err = capsys.readouterr().err.splitlines()  # the "loading ..." line, then
     assert err[-1] == "interrupted" and not any("Traceback" in line for line in err), err
+
+
+def test_the_script_imports_little_before_main_handles_ctrl_c() -> None:
+    """The ``herald`` script imports herald.cli before main runs, and a Ctrl-C then is a
+    traceback: importing it runs herald's two small modules and nothing else (it was argparse
+    and typing too)."""
+    code = "import sys; old = set(sys.modules); import herald.cli; print(*set(sys.modules) - old)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert set(out.stdout.split()) <= {"__future__", "herald", "herald.onednn", "herald.cli"}
