@@ -48,18 +48,20 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         help="tokens to generate at most (EOS ends sooner)",
     )
     add_kv_pad(g)
-    g.add_argument(
+    mode = g.add_mutually_exclusive_group()  # two modes: fixed steps use no threshold
+    mode.add_argument(
         "--threshold",
         type=float,
-        default=0.95,
-        help="accept masked positions whose confidence is above this, at least one per step",
+        default=SamplingParams.threshold,
+        help="threshold mode: accept masked positions whose confidence is above this, at least "
+        "one per step; not with --steps",
     )
-    g.add_argument(
+    mode.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="fixed-steps mode: T denoising steps per block (overrides --threshold; default: "
-        "threshold mode)",
+        help="fixed-steps mode: T denoising steps per block, no threshold; not with --threshold "
+        "(default: threshold mode)",
     )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     g.add_argument(

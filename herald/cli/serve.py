@@ -136,25 +136,27 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
 
 
 def _add_denoise_args(s: argparse.ArgumentParser) -> None:
-    """``--threshold`` and ``--steps``: the request fields' defaults (a request's own wins)."""
+    """``--threshold`` or ``--steps``: the request fields' defaults (a request's own wins)."""
     g = s.add_argument_group(
         "denoising defaults",
-        "how a request that sets neither steps nor threshold denoises; a request's own steps "
-        "wins, and its own threshold alone runs threshold mode at that threshold",
+        "how a request that sets neither steps nor threshold denoises: one of the two modes, "
+        "so not both flags; a request's own steps, or its own threshold (threshold mode at it), "
+        "wins; a request that sets both is refused",
     )
-    g.add_argument(
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument(
         "--threshold",
         type=float,
         default=DENOISE_DEFAULTS.threshold,
         help="threshold mode: accept every masked position whose confidence is above this, at "
         "least one per step; in (0, 1]",
     )
-    g.add_argument(
+    mode.add_argument(
         "--steps",
         type=int,
         default=DENOISE_DEFAULTS.steps,
-        help="fixed-steps mode: T denoising steps per block, instead of --threshold (default: "
-        "none, threshold mode)",
+        help="fixed-steps mode: T denoising steps per block, no threshold (default: none, "
+        "threshold mode)",
     )
 
 

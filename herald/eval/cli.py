@@ -133,12 +133,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", type=int, default=16, help="requests decoding at once (default: 16)"
     )
-    p.add_argument("--threshold", type=float, default=0.95, help="confidence threshold")
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()  # two modes: fixed steps use no threshold
+    mode.add_argument(
+        "--threshold", type=float, default=0.95, help="confidence threshold; not with --steps"
+    )
+    mode.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="fixed denoising steps per block (default: none, the confidence threshold decides)",
+        help="fixed denoising steps per block, no threshold; not with --threshold (default: "
+        "none, the confidence threshold decides)",
     )
     p.add_argument(
         "--control-tokens", type=token_count, default=512, help="no-context control window"

@@ -19,9 +19,10 @@ class DenoiseDefaults:
     (``herald serve --steps / --threshold``).
 
     A request's own value wins over the server's, as a request's sampling fields win over a
-    vLLM or SGLang server's defaults. ``steps`` overrides ``threshold`` (fixed-steps mode), so a
-    request that gives ``threshold`` alone has chosen threshold mode and runs it with its
-    threshold, also on a server whose default is fixed steps (:meth:`resolve`)."""
+    vLLM or SGLang server's defaults. ``steps`` (fixed-steps mode) uses no threshold, so the
+    server's flags, and a request's fields, give one of the two; a request that gives
+    ``threshold`` has chosen threshold mode and runs it with its threshold, also on a server
+    whose default is fixed steps (:meth:`resolve`)."""
 
     threshold: float = SamplingParams.threshold
     """Threshold mode: accept every masked position whose confidence is above this, at least
@@ -40,9 +41,9 @@ class DenoiseDefaults:
             raise ValueError(str(e).replace("num_denoise_steps", "steps", 1)) from None
 
     def resolve(self, threshold: float | None, steps: int | None) -> tuple[float, int | None]:
-        """(threshold, steps) of a request that gave ``threshold`` and ``steps`` (None: not
-        given): its own steps; else, with its own threshold, threshold mode at it; else the
-        server's."""
+        """(threshold, steps) of a request that gave ``threshold`` or ``steps`` (None: not
+        given; the request refuses both): its own steps; else, with its own threshold, threshold
+        mode at it; else the server's."""
         if steps is not None or threshold is not None:
             return (self.threshold if threshold is None else threshold), steps
         return self.threshold, self.steps

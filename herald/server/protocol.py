@@ -5,12 +5,12 @@ Validation lives here so that every bad field becomes a 400 in OpenAI's error sh
 herald does not implement are in :mod:`herald.server.fields` (ignored, or accepted only at a
 value that asks for nothing). docs/API.md documents every field.
 
-Herald's extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]), ``steps``
-(fixed-steps mode: denoising steps per block; a request without either denoises as the server's
-:class:`~herald.server.defaults.DenoiseDefaults`), ``mode`` (one of :data:`MODES`; the server runs
-one, chosen at launch, and the route refuses any other) and ``budget`` (alias ``kv_budget``, in
-(0, 1]: the fraction of the prefix each block attends to; fixed at launch, so it must equal the
-server's). ``temperature`` defaults to 0 (greedy, deterministic).
+Herald's extensions: ``threshold`` (confidence-threshold acceptance, in (0, 1]) or ``steps``
+(fixed-steps mode: denoising steps per block; not both; a request without either denoises as the
+server's :class:`~herald.server.defaults.DenoiseDefaults`), ``mode`` (one of :data:`MODES`; the
+server runs one, chosen at launch, and the route refuses any other) and ``budget`` (alias
+``kv_budget``, in (0, 1]: the fraction of the prefix each block attends to; fixed at launch, so
+it must equal the server's). ``temperature`` defaults to 0 (greedy, deterministic).
 
 Null in an optional field is that field's default (``"n": null`` is n = 1, ``"temperature":
 null`` greedy), as in OpenAI's API, which marks its optional fields nullable; a required field
@@ -127,6 +127,13 @@ class _Common(_Body):
     def _stream_options(self) -> _Common:
         if self.stream_options is not None and not self.stream:
             raise refuse("stream_options", "stream_options is only allowed with stream = true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_denoising_mode(self) -> _Common:
+        if self.steps is not None and self.threshold is not None:  # as herald serve's flags
+            raise refuse("steps", "give steps (fixed-steps mode, which uses no threshold) or "
+                         "threshold (threshold mode), not both")  # fmt: skip
         return self
 
     @field_validator("mode")

@@ -432,3 +432,21 @@ def test_generate_paces_its_bars_for_a_log(capsys, monkeypatch):
     assert asked[1][0] == 40  # the decoding bar's total
     err = capsys.readouterr().err
     assert "prefill" in err and "decoding" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["eval"]])
+@pytest.mark.parametrize(
+    "flags", [["--steps", "4", "--threshold", "0.9"], ["--threshold", "0.95", "--steps", "4"]]
+)
+def test_steps_and_threshold_are_refused_together(command, flags, capsys):
+    """Two denoising modes, and fixed steps use no threshold: given both, the threshold was
+    dropped without a word. Refused as argparse refuses any two exclusive options."""
+    with pytest.raises(SystemExit) as e:
+        main([*command, *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"usage: herald {command[0]} "), err
+    assert (
+        err[-1].startswith(f"herald {command[0]}: error: argument --")
+        and "not allowed with" in err[-1]
+    )

@@ -36,9 +36,9 @@ def test_eval_writes_results_and_resumes(tmp_path, capsys):
     assert "3 already done" in capsys.readouterr().err
     assert main(["eval", "--report", "--out", str(out)]) == 0
     # Other settings into the same --out: refused (not skipped as "already done").
-    assert main([*ARGS, "--out", str(out), "--threshold", "0.5"]) == 2
+    assert main([*ARGS, "--out", str(out), "--steps", "3"]) == 2  # the last --steps wins
     err = capsys.readouterr().err
-    assert "other settings" in err and "threshold" in err and "new --out" in err
+    assert "other settings" in err and "steps" in err and "new --out" in err
     # A setting of the other task does not change these units; the line's own settings do.
     assert main([*ARGS, "--out", str(out), "--no-report", "--min-distance", "100"]) == 0
     assert "3 already done" in capsys.readouterr().err
@@ -115,7 +115,11 @@ def test_eval_flag_errors_come_before_any_work(tmp_path, capsys):
     ]
     for extra in bad:
         out = tmp_path / "x"
-        assert main([*ARGS, "--out", str(out), *extra]) == 2, extra
+        args = ARGS
+        if "--threshold" in extra:  # not with --steps
+            i = ARGS.index("--steps")
+            args = ARGS[:i] + ARGS[i + 2 :]
+        assert main([*args, "--out", str(out), *extra]) == 2, extra
         assert extra[0] in capsys.readouterr().err, extra
         assert not out.exists(), extra  # refused before --out was created
 

@@ -190,17 +190,22 @@ def test_requests_without_steps_or_threshold_take_the_servers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """``herald serve --steps / --threshold``: the denoising of a request that sets neither; a
-    request's own value wins (its threshold alone: threshold mode at it)."""
+    request's own value wins (its threshold: threshold mode at it); it may not set both."""
     from herald.server.defaults import DenoiseDefaults
 
     monkeypatch.setattr(server.state, "denoise", DenoiseDefaults(threshold=0.8, steps=3))
     cases = [({}, 0.8, 3), ({"steps": None}, 0.8, 3), ({"steps": 2}, 0.8, 2),
-             ({"threshold": 0.9}, 0.9, None), ({"threshold": 0.9, "steps": 2}, 0.9, 2)]  # fmt: skip
+             ({"threshold": 0.9}, 0.9, None),
+             ({"threshold": 0.9, "steps": None}, 0.9, None)]  # fmt: skip
     for fields, _, _ in cases:
         body = {"prompt": "defaults", "max_tokens": 8, **fields}
         assert client.post("/v1/completions", json=body).status_code == 200
     got = [(p.threshold, p.num_denoise_steps) for p in captured]
     assert got == [(t, s) for _, t, s in cases]
+    both = {"prompt": "both", "max_tokens": 8, "threshold": 0.9, "steps": 2}  # steps used no
+    r = client.post("/v1/completions", json=both)  # threshold: one of them was dropped
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steps", r.text
+    assert "not both" in r.json()["error"]["message"] and len(captured) == len(cases)
     monkeypatch.setattr(server.state, "denoise", DenoiseDefaults(threshold=0.8))
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200

@@ -303,7 +303,7 @@ def test_a_request_value_wins_over_the_server_denoising_default():
         (["--threshold", "1.5"], "--threshold must be in (0, 1], got 1.5"),
         (["--threshold", "nan"], "--threshold must be a finite number, got nan"),
         (["--steps", "0"], "--steps must be in [1, "),
-        (["--steps", "-2", "--threshold", "0.5"], "--steps must be in [1, "),
+        (["--steps", "-2"], "--steps must be in [1, "),
     ],
 )
 def test_denoising_defaults_are_checked_before_the_model_loads(flags, needle, monkeypatch, capsys):
@@ -314,7 +314,8 @@ def test_denoising_defaults_are_checked_before_the_model_loads(flags, needle, mo
 
 
 @pytest.mark.parametrize(
-    "flags, threshold, steps", [([], 0.95, None), (["--steps", "3", "--threshold", "0.8"], 0.8, 3)]
+    "flags, threshold, steps",
+    [([], 0.95, None), (["--steps", "3"], 0.95, 3), (["--threshold", "0.8"], 0.8, None)],
 )
 def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps, monkeypatch):
     from herald.server import launch

@@ -193,6 +193,7 @@ def test_bad_inputs_get_4xx_while_a_good_request_completes(
             ({"prompt": "x" * (64 * MAX_SEQ_LEN + 1)}, 400, "prompt"),
             ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
             ({"prompt": "hi", "steps": 0}, 400, "steps"),
+            ({"prompt": "hi", "steps": 2, "threshold": 0.9}, 400, "steps"),
             ({"prompt": "hi", "stop": [""]}, 400, "stop"),
             ({"prompt": "hi", "mode": "warp"}, 400, "mode"),
             ({"prompt": "hi", "mode": "herald"}, 400, "mode"),
