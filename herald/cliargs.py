@@ -197,6 +197,19 @@ def check_alias_conflicts(parser: argparse.ArgumentParser, argv: Sequence[str]) 
             parser.error(f"{old} is the old name of {new}: give only {new}")
 
 
+def option_error(parser: argparse.ArgumentParser, msg: str) -> int | None:
+    """Report a user error whose message begins with one of ``parser``'s options (``--steps
+    must be in [1, 1024], got 0``: a value out of range, checked after parsing) as argparse
+    reports a value it cannot parse: the command's usage, then ``PROG: error: MESSAGE``; returns
+    argparse's exit status, 2. None, reporting nothing, for any other message."""
+    words = msg.split(maxsplit=1)
+    if not words or words[0].rstrip(",:;") not in parser._option_string_actions:
+        return None
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 DEFAULT_MODEL = "code-sdar"
 """The embedded default: the small SDAR code model trained with ``herald train`` that ships in
 ``checkpoints/code-sdar/`` (:data:`herald.models.loader.BUNDLED_CHECKPOINTS`)."""

@@ -101,3 +101,26 @@ def recorded_engine(model, config, offload, prompts, max_new_tokens=96):
 
 TINY_PRESETS = ("tiny-sdar", "tiny-llada2")
 """The tiny architectures every model test runs on."""
+
+
+def user_error(err: str, alone: bool = True) -> str:
+    """The message of the user error that ends a command's stderr ``err``, checked to be in its
+    form: a message that begins with an option (its value out of range) as argparse reports a
+    value it cannot parse, the command's usage then ``PROG: error: MESSAGE``; any other as one
+    ``error: MESSAGE`` line. ``alone``: nothing else on stderr (else lines before it, such as a
+    "loading" line, are allowed); never a traceback."""
+    lines = err.strip().splitlines()
+    assert lines and "Traceback" not in err, err
+    last = lines[-1]
+    if last.startswith("error: "):
+        msg = last.removeprefix("error: ")
+        assert not msg.startswith("--") and (len(lines) == 1 or not alone), err
+        return msg
+    prog, sep, msg = last.partition(": error: ")
+    assert sep and msg.startswith("--"), err
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"usage: {prog} ")]
+    assert starts, err
+    start = starts[-1]
+    assert all(line.startswith(" ") for line in lines[start + 1 : -1]), err
+    assert start == 0 or not alone, err
+    return msg

@@ -166,16 +166,21 @@ def benchmark_main(
     handler: Callable[[argparse.Namespace], int],
     argv: list[str] | None = None,
 ) -> int:
-    """``python -m PROG``: parse ``argv`` and run; a user error prints one ``error:`` line and
-    exits 2, a run that failed (e.g. a full-size model that does not fit) exits 1; ``--debug``
-    re-raises."""
+    """``python -m PROG``: parse ``argv`` and run; a user error prints one ``error:`` line (an
+    option's value out of range: argparse's usage and error lines) and exits 2, a run that
+    failed (e.g. a full-size model that does not fit) exits 1; ``--debug`` re-raises."""
+    from herald.cliargs import option_error
+
     args = parser.parse_args(argv)
     try:
         return handler(args)
     except (ValueError, OSError, KeyError) as e:
         if args.debug:
             raise
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        msg = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+        if (status := option_error(parser, msg)) is not None:
+            return status  # an option's value out of range: as argparse reports a bad value
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as e:
         if args.debug:

@@ -127,7 +127,9 @@ def cmd_init_random(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. User errors print one ``error:`` line and exit 2; ``--debug`` re-raises.
+    """Entry point. User errors print one ``error:`` line and exit 2, an option's value out of
+    range the command's usage and ``herald CMD: error: ...``, as argparse reports a value it
+    cannot parse (:func:`herald.cliargs.option_error`); ``--debug`` re-raises.
     Ctrl-C at any time, also while the modules and the model load, prints ``interrupted`` and
     exits 130 (128 + SIGINT, as a shell reports a command it interrupted), also where a library
     swallowed the KeyboardInterrupt or turned it into another error (:mod:`.interrupt`)."""
@@ -160,7 +162,7 @@ def _run(argv: list[str] | None) -> int:
     # torch's import breaks on a KeyboardInterrupt at an arbitrary point (herald.cli.interrupt):
     # a Ctrl-C while the modules load stops the command once they have loaded
     with interrupt.deferred():
-        from herald.cliargs import check_alias_conflicts
+        from herald.cliargs import check_alias_conflicts, option_error
         from herald.env import settings
 
         parser = build_parser()
@@ -184,6 +186,8 @@ def _run(argv: list[str] | None) -> int:
         # a bad value, name or path is the user's: its message says what; others keep their kind
         user = (ValueError, KeyError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                 PermissionError, FileExistsError)  # fmt: skip
+        if isinstance(e, user) and (status := option_error(leaf, msg)) is not None:
+            return status  # an option's value out of range: as argparse reports a bad value
         kind = "" if isinstance(e, user) else f"{type(e).__name__}: "
         print(f"error: {kind}{msg}", file=sys.stderr)
         return 2

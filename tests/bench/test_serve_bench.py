@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import user_error
 
 from herald.bench import serve
 from herald.bench.plotting import pyplot
@@ -349,8 +350,7 @@ def test_bad_inputs_are_refused_before_anything_starts(
     monkeypatch.setattr(serve, "InProcessServer", no_server)
     out = tmp_path / "out"
     assert serve.main([*argv, "--max-tokens", "64", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert says in user_error(capsys.readouterr().err)
     assert not out.exists()
 
 

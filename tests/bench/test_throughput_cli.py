@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import user_error
 
 from herald.bench import throughput
 from herald.bench import throughput_plan as plan
@@ -112,8 +113,7 @@ def _pending(run: Runner) -> dict[str, list[int]]:
 def test_bad_flags_fail_in_one_line_before_any_work(tmp_path, capsys, no_work, flags, says):
     argv = [*SWEEP, "--device", "cpu", "--out", str(tmp_path), *flags]
     assert throughput.main(argv) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert says in user_error(capsys.readouterr().err)
     assert not (tmp_path / throughput.JSONL_NAME).exists()
 
 
@@ -253,8 +253,7 @@ def test_a_run_with_other_settings_refuses_the_folder(tmp_path, capsys, no_work)
     _write(tmp_path, recs)
     argv = [*SWEEP, "--device", "cpu", "--out", str(tmp_path)]
     assert throughput.main([*argv, "--block-size", "16", "--kv-pad", "0"]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1
+    err = user_error(capsys.readouterr().err)
     assert "holds points measured with other settings: --block-size 32 (this run: 16); " in err
     assert "--kv-pad 512 (this run: 0)" in err and "give another --out" in err
     # a dry run lists what the settings would measure, and says a run would refuse

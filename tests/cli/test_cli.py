@@ -1,8 +1,10 @@
-"""`herald generate` / `herald init-random`: user errors are one line and exit code 2."""
+"""`herald generate` / `herald init-random`: user errors are one line and exit code 2 (an
+option's value out of range: argparse's usage and error lines, as for a value it cannot parse)."""
 
 from __future__ import annotations
 
 import pytest
+from helpers import user_error
 
 from herald.cli import main
 
@@ -143,9 +145,7 @@ def test_user_errors_are_one_line(argv, message, capsys):
     if argv[0] == "generate" and "--model" not in argv:
         argv = [*argv, "--model", "tiny-sdar"]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error:") and message in err[-1]
-    assert not any("Traceback" in line for line in err)
+    assert message in user_error(capsys.readouterr().err, alone=False)
 
 
 @pytest.mark.parametrize(
@@ -170,9 +170,8 @@ def test_settings_are_checked_before_the_model_loads(flags, monkeypatch, capsys)
     monkeypatch.setattr(loader, "load_model", no_load)
     argv = ["generate", "--model", "tiny-sdar", "--prompt", "x", *flags]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "--" in err[0], err
-    assert "ValueError" not in err[0]  # a user error: its message, not its Python class
+    msg = user_error(capsys.readouterr().err)
+    assert "--" in msg and "ValueError" not in msg  # a user error: its message, not its class
 
 
 @pytest.mark.parametrize("mode", ["dense", "herald"])
@@ -217,9 +216,8 @@ def test_mask_token_id_beyond_the_vocabulary(capsys):
     the id against the vocabulary once the model has loaded (it was an IndexError)."""
     argv = ["generate", "--device", "cpu", "--prompt", "x", "--mask-token-id", "99999"]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error:") and "--mask-token-id 99999 is out of range" in err[-1]
-    assert "vocabulary has" in err[-1] and not any("Traceback" in line for line in err)
+    msg = user_error(capsys.readouterr().err, alone=False)  # after the "loading" line
+    assert "--mask-token-id 99999 is out of range" in msg and "vocabulary has" in msg
 
 
 def test_help_states_defaults_and_which_modes_use_a_flag(capsys):
@@ -450,3 +448,34 @@ def test_steps_and_threshold_are_refused_together(command, flags, capsys):
         err[-1].startswith(f"herald {command[0]}: error: argument --")
         and "not allowed with" in err[-1]
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "bad", "says"),
+    [
+        (["generate", "--model", "tiny-sdar", "--prompt", "x"], "--steps", "0", "must be in [1, "),
+        (["serve", "--device", "cpu"], "--threshold", "2", "must be in (0, 1], got 2"),
+        (["eval", "--model", "tiny-sdar", "--device", "cpu", "--out", "OUT"], "--steps", "0",
+         "must be >= 1"),
+        (["bench", "throughput", "--model", "tiny-sdar", "--context", "256", "--batches", "1",
+          "--out", "OUT"], "--steps", "0", "must be >= 1"),
+        (["bench", "forward", "--out", "OUT"], "--steps", "0", "must be >= 1"),
+        (["train", "--out", "OUT"], "--lr", "-1", "must be a positive number"),
+    ],
+)  # fmt: skip
+def test_a_value_out_of_range_is_reported_as_one_of_the_wrong_type(
+    command, flag, bad, says, tmp_path, capsys
+):
+    """``--steps 0`` was a bare ``error:`` line where ``--steps x`` is argparse's usage and
+    ``PROG: error: ...``: both are argparse's now, the message kept."""
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in command]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, flag, "x"])
+    typed = capsys.readouterr().err.strip().splitlines()
+    assert main([*argv, flag, bad]) == 2 == e.value.code
+    ranged = capsys.readouterr().err.strip().splitlines()
+    prog = "herald " + " ".join(command[: 2 if command[0] == "bench" else 1])
+    assert typed[-1].startswith(f"{prog}: error: argument {flag}: invalid "), typed
+    assert ranged[:-1] == typed[:-1] and ranged[0].startswith(f"usage: {prog} "), ranged
+    assert ranged[-1].startswith(f"{prog}: error: {flag} {says}"), ranged
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,6 @@
-"""``herald serve`` argument errors: one ``error:`` line, exit 2, before any model loads; the
-ready banner of the real command."""
+"""``herald serve`` argument errors: one ``error:`` line (an option's value out of range:
+argparse's usage and error lines), exit 2, before any model loads; the ready banner of the real
+command."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import httpx
 import pytest
 import torch
+from helpers import user_error
 
 from herald.cli import main
 
@@ -32,8 +34,7 @@ from herald.cli import main
 )
 def test_serve_user_errors(argv, needle, capsys):
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+    assert needle in user_error(capsys.readouterr().err)
 
 
 def _no_model(monkeypatch):
@@ -58,8 +59,7 @@ def _no_model(monkeypatch):
 def test_front_flags_are_checked_before_the_model_loads(flags, needle, monkeypatch, capsys):
     _no_model(monkeypatch)
     assert main(["serve", "--device", "cpu", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+    assert needle in user_error(capsys.readouterr().err)
 
 
 def test_a_port_in_use_is_found_before_the_model_loads(monkeypatch, capsys):
@@ -79,9 +79,9 @@ def test_cpu_pool_larger_than_memory_is_refused_before_the_model_loads(monkeypat
     _no_model(monkeypatch)
     monkeypatch.setattr(cliargs, "memory_gib", lambda: (3.0, 4.0))  # what check_pool_flags reads
     assert main(["serve", "--device", "cpu", "--mode", "herald", "--cpu-kv-gb", "5"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--cpu-kv-gb 5 is more than this machine's available memory" in err[0]
-    assert "3.0 GiB available of 4.0 GiB" in err[0]
+    msg = user_error(capsys.readouterr().err)
+    assert "--cpu-kv-gb 5 is more than this machine's available memory" in msg
+    assert "3.0 GiB available of 4.0 GiB" in msg
     # and without the stand-in, on this machine: a petabyte does not fit
     monkeypatch.undo()
     _no_model(monkeypatch)
@@ -309,8 +309,7 @@ def test_a_request_value_wins_over_the_server_denoising_default():
 def test_denoising_defaults_are_checked_before_the_model_loads(flags, needle, monkeypatch, capsys):
     _no_model(monkeypatch)
     assert main(["serve", "--device", "cpu", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert needle in user_error(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import user_error
 from train_fixtures import make_tree
 
 import herald.train.trainer as trainer_mod
@@ -71,11 +72,8 @@ def scans(monkeypatch) -> list[object]:
 
 
 def one_error_line(capsys) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err
-    assert "Traceback" not in captured.err
-    return lines[0]
+    """The message of the one user error on stderr (an option's value: in argparse's form)."""
+    return user_error(capsys.readouterr().err)
 
 
 def tree_snapshot(root: Path) -> dict[str, bytes]:
