@@ -81,7 +81,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         action="store_true",
         help="skip the start-up warm-up (on the GPU: every batch size from --max-batch-size down "
         "to 1 runs through the engine, capturing its CUDA graphs, before the server accepts "
-        "requests, so that no client pays compilations or captures; on the CPU one short request)",
+        "requests, so that no client pays compilations or captures; on the CPU one short "
+        "request) and the GPU memory check after it (a full batch near --max-seq-len beside a "
+        "whole --max-prefill-tokens prefill, run once: a configuration that runs out of memory "
+        "there is refused at start-up, not under load)",
     )
     s.add_argument(
         "--served-model-name",

@@ -1,6 +1,8 @@
 """Instrumentation that tests and benchmarks pass to an engine (``hooks=EngineHooks(...)``).
 
-None of it changes what a served engine computes: a server builds its engine without hooks.
+None of it changes what a served engine computes: a server builds its engine without hooks (its
+start-up memory check, :mod:`herald.server.peak`, sets :class:`SyntheticPrefill` for one step and
+takes it off again).
 
 - :class:`SyntheticPrefill`: random KV in place of the prompt forward (decode-throughput
   benchmarks: decode speed does not depend on the KV's values);

@@ -207,6 +207,12 @@ class EngineLoop:
                 self._failures = 0
             except Exception as e:  # the step failed its own requests; count it
                 log.exception("engine step failed")
+                if type(e).__name__ == "OutOfMemoryError":
+                    log.error(
+                        "out of GPU memory: the step's requests failed; a lower "
+                        "--max-batch-size, --max-seq-len or --max-prefill-tokens leaves more "
+                        "(the start-up memory check runs the serving peak unless --no-warmup)"
+                    )
                 self._failures += 1
                 if self._failures >= self.max_step_failures:
                     log.error("engine failed %d steps in a row: declaring it dead", self._failures)

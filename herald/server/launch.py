@@ -36,8 +36,9 @@ from herald.server.defaults import (
 )
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
+from herald.server.peak import LOW_HEADROOM, PeakCheck, check_peak
 from herald.server.state import served_names
-from herald.server.warmup import warm_up_engine
+from herald.server.warmup import WarmUp, warm_up_engine
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def build_app(
     served_model_name: str | Sequence[str] | None = None,
     warm_up: bool = True,
     denoise: DenoiseDefaults = DENOISE_DEFAULTS,
+    check_memory: bool | None = None,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
@@ -65,6 +67,9 @@ def build_app(
     ``HERALD_API_KEY``, else none. With ``warm_up`` the engine's one-time costs are paid before
     it serves (:mod:`herald.server.warmup`: every batch size's CUDA graphs when it uses them).
     ``denoise``: how a request that sets neither ``steps`` nor ``threshold`` denoises.
+    ``check_memory`` (default: with ``warm_up``, on CUDA) runs the engine's serving peak once
+    after the warm-up (:mod:`herald.server.peak`) and raises
+    :class:`~herald.server.peak.PeakCheckFailed` (a ValueError) when it runs out of GPU memory.
     """
     names = served_names(model, served_model_name)
     key = (api_key if api_key is not None else env.settings().api_key) or None
@@ -99,18 +104,9 @@ def build_app(
             "such requests will be refused (enlarge --cpu-kv-gb / --cpu-kv-tokens)",
             usage.cpu_pages_total, eng.max_seq_len, longest,
         )  # fmt: skip
-    warmed = None
-    if warm_up:
-        log.info("warming up")
-        try:
-            warmed = warm_up_engine(eng, tokenizer)
-        except RequestTooLarge as e:
-            # the pool cannot hold even the warm-up's one short request: no request could run
-            raise ValueError(
-                f"the CPU KV pool is too small to serve any request (the start-up warm-up's "
-                f"first request did not fit: {e})"
-            ) from None
-        log.info("warm-up done: %s", warmed.describe())
+    warmed = _warm_up(eng, tokenizer) if warm_up else None
+    run_check = check_memory if check_memory is not None else warm_up and eng.cuda
+    peak = _check_memory(eng, tokenizer) if run_check else None
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
@@ -118,9 +114,37 @@ def build_app(
                         denoise=denoise)  # fmt: skip
     app = create_app(state)
     app.state.herald_warmup = warmed
+    app.state.herald_peak = peak
     app.state.herald_warmup_s = None if warmed is None else warmed.seconds
     front.install(app, limits, lambda: state.api_key)
     return app
+
+
+def _warm_up(eng: Any, tokenizer: Any) -> WarmUp:
+    log.info("warming up")
+    try:
+        warmed = warm_up_engine(eng, tokenizer)
+    except RequestTooLarge as e:
+        # the pool cannot hold even the warm-up's one short request: no request could run
+        raise ValueError(
+            f"the CPU KV pool is too small to serve any request (the start-up warm-up's first "
+            f"request did not fit: {e})"
+        ) from None
+    log.info("warm-up done: %s", warmed.describe())
+    return warmed
+
+
+def _check_memory(eng: Any, tokenizer: Any) -> PeakCheck:
+    log.info("memory check: a full batch at --max-seq-len beside a whole prefill budget")
+    peak = check_peak(eng, tokenizer)
+    log.info("memory check done: %s", peak.describe())
+    if peak.headroom < LOW_HEADROOM:
+        log.warning(
+            "the memory check's peak leaves %.1f%% of GPU memory free: fragmentation under load "
+            "can take the rest (a lower --max-batch-size or --max-prefill-tokens leaves more)",
+            100 * peak.headroom,
+        )
+    return peak
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -165,6 +189,7 @@ def banner(app: FastAPI, url: str) -> str:
     mode = eng.mode if eng.mode == "dense" else f"{eng.mode} (kv budget {eng.kv_budget:g})"
     waiting, budget = eng.scheduler.max_waiting, eng.scheduler.max_prefill_tokens
     warmed = getattr(app.state, "herald_warmup", None)
+    peak = getattr(app.state, "herald_peak", None)
     return (
         f"herald serve ready on {url}: model {state.model_name}, mode {mode}, device "
         f"{eng.device}, dtype {str(eng.dtype).removeprefix('torch.')}, max batch size "
@@ -173,6 +198,7 @@ def banner(app: FastAPI, url: str) -> str:
         f"{'unbounded' if budget is None else f'{budget} tokens per forward'}, by default "
         f"{state.denoise.describe()}; {eng.describe()}"
         + ("; no warm-up" if warmed is None else f"; warm-up {warmed.describe()}")
+        + ("" if peak is None else f"; memory check {peak.describe()}")
         + ("; API key required on /v1, /tokenize and /detokenize" if state.api_key else "")
     )
 

@@ -171,6 +171,42 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
         loop.stop()
 
 
+def test_out_of_gpu_memory_in_a_step_says_which_flags_lower_it(tiny, caplog) -> None:
+    """The step's request gets the error; the log says what to lower; the loop goes on."""
+    model, config, tokenizer = tiny
+    engine = make_engine(model, config, None, max_batch_size=2, max_seq_len=256)
+    loop = EngineLoop(engine)
+    real_prefill, calls = engine._prefill, [0]
+
+    def prefill(chunk: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
+        real_prefill(chunk)
+
+    engine._prefill = prefill  # type: ignore[method-assign]
+
+    async def one(ids: list[int]) -> tuple[str, Any]:
+        h = loop.submit(ids, PARAMS, asyncio.get_running_loop())
+        while True:
+            kind, val = await asyncio.wait_for(h.queue.get(), 30)
+            if kind != "tokens":
+                return kind, val
+
+    async def go() -> None:
+        kind, val = await one(tokenizer.encode("long enough to need a prefill forward" * 2))
+        assert kind == "error" and "Tried to allocate 64.00 MiB" in str(val)
+        assert await one(tokenizer.encode("fine")) == ("done", "length")
+
+    loop.start()
+    try:
+        asyncio.run(go())
+    finally:
+        loop.stop()
+    assert "out of GPU memory: the step's requests failed" in caplog.text
+    assert "--max-batch-size, --max-seq-len or --max-prefill-tokens" in caplog.text
+
+
 def test_generation_rate_covers_the_window_and_decays_to_zero_when_idle(tiny) -> None:
     model, config, _ = tiny
     loop = EngineLoop(make_engine(model, config, None, max_batch_size=1, max_seq_len=64))

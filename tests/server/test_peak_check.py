@@ -1,0 +1,201 @@
+"""The start-up memory check (herald.server.peak): it runs a full batch near max_seq_len beside
+real prefills of a whole budget, leaves the engine as it found it, and turns running out of GPU
+memory into a refusal that names the flags (the run itself is the same on the CPU; only the
+memory is not measured there)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from herald.config import OffloadConfig, SamplingParams
+from herald.engine.scheduler import PrefillChunk
+from herald.engines import build_engine
+from herald.models.registry import build_model, get_preset
+from herald.models.tokenizer import byte_level_tokenizer
+from herald.server.defaults import SERVE_DEFAULTS
+from herald.server.peak import PeakCheck, PeakCheckFailed, PeakRun, check_peak, plan_peak
+
+
+def test_the_plan_fills_the_batch_and_outlasts_the_real_prefill() -> None:
+    # 16K context, budget 4,096: one real prompt over four boundaries, 63 fillers that generate
+    # a block for each, one more, and two to spare
+    assert plan_peak(64, 32, 16384, 4096) == (63, 16384 - 224, 224, 16352)
+    # a budget of four prompts: four real ones, the rest fillers
+    assert plan_peak(64, 32, 16384, 65536)[0] == 64 - 5
+    # unbounded: every admitted prompt whole at one boundary
+    assert plan_peak(8, 32, 1024, None) == (7, 1024 - 96, 96, 992)
+    # more budget than slots: every slot a real request
+    assert plan_peak(2, 32, 512, 100_000)[0] == 0
+    # a short context: the fillers still fit (at least a one-token prompt)
+    fillers, prompt, new, real = plan_peak(4, 32, 64, 32)
+    assert prompt >= 1 and prompt + new <= 64 and real == 32
+
+
+def test_describe() -> None:
+    run = PeakRun(64, 16384, 16352)
+    assert run.describe() == (
+        "64 request(s) of up to 16,384 tokens at once, 16,352 prompt tokens prefilled beside them"
+    )
+    gpu = PeakCheck(run, 9.84, int(70.5 * 2**30), int(79.2 * 2**30))
+    assert gpu.describe().endswith(": 9.8 s, peak 70.5 of 79.2 GiB of GPU memory")
+    assert 0.10 < gpu.headroom < 0.11
+    cpu = PeakCheck(run, 0.2, 0, 0)
+    assert cpu.describe().endswith(": 0.2 s") and cpu.headroom == 1.0
+
+
+def _engine(mode: str, *, cpu_kv_tokens: int | None = None):
+    config = get_preset("tiny-sdar")
+    dtype = torch.float32 if mode == "dense" else torch.bfloat16
+    model = build_model(config, device="cpu", dtype=dtype, seed=1)
+    offload = None
+    if mode != "dense":
+        offload = OffloadConfig.for_mode(mode, kv_budget=0.3, cpu_kv_tokens=cpu_kv_tokens)
+    cfg = SERVE_DEFAULTS.replace(
+        max_batch_size=4, max_seq_len=512, max_prefill_tokens=256, offload=offload
+    )
+    return build_engine(model, config, cfg), config
+
+
+@pytest.fixture(params=["dense", "herald"])
+def recorded(request: pytest.FixtureRequest) -> Iterator[tuple]:
+    """An engine whose prefill chunks are recorded, (tokens, synthetic?, running rows), and its
+    forwards' lengths."""
+    eng, config = _engine(request.param)
+    chunks: list[tuple[int, bool, int]] = []
+    real_prefill = eng._prefill
+
+    def prefill(chunk: PrefillChunk) -> None:
+        synthetic = eng.hooks.synthetic_prefill is not None
+        chunks.append((chunk.end - chunk.start, synthetic, eng.num_running))
+        real_prefill(chunk)
+
+    eng._prefill = prefill
+    lengths: list[int] = []
+    hook = eng.model.register_forward_pre_hook(lambda _, args: lengths.append(args[0].shape[1]))
+    try:
+        yield eng, config, chunks, lengths
+    finally:
+        hook.remove()
+        eng.close()
+
+
+def _empty(eng) -> None:
+    assert not eng.has_unfinished()
+    usage = eng.usage()
+    assert usage.gpu_slots_used == 0 and usage.cpu_pages_used == 0, usage
+    assert eng.stats.num_forwards == 0 and eng.stats.num_prefill_tokens == 0
+
+
+def test_a_full_batch_beside_real_prefill_then_the_engine_as_before(recorded) -> None:
+    eng, config, chunks, lengths = recorded
+    b = config.block_size
+    fillers, filler_len, _, real_len = plan_peak(4, b, 512, 256)
+    check = check_peak(eng, byte_level_tokenizer(config))
+    assert check.run.batch == 4 and check.run.context == 512
+    assert check.run.prefill_tokens == real_len == 480
+    assert check.peak_bytes == 0 and check.total_bytes == 0  # not measured on the CPU
+    synthetic = [n for n, s, _ in chunks if s]
+    real = [(n, rows) for n, s, rows in chunks if not s]
+    # the fillers' prompts skipped the forward; the real one went through it, in forwards of the
+    # budget, while the fillers ran
+    assert sum(synthetic) == fillers * filler_len
+    assert sum(n for n, _ in real) == real_len and all(rows == fillers for _, rows in real)
+    assert max(lengths) == 256
+    # restored: no synthetic prefill, the budget, nothing held, counters from zero
+    assert eng.hooks.synthetic_prefill is None and eng.scheduler.max_prefill_tokens == 256
+    _empty(eng)
+    want = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_new_tokens=2 * b, num_denoise_steps=4, ignore_eos=True)
+    assert len(eng.generate([want], params)[0].output_ids) == 2 * b
+
+
+def test_fillers_the_cpu_pool_cannot_hold_are_left_out() -> None:
+    """A pool of about two requests' pages: the other fillers are aborted (a server keeps them
+    waiting), the check still ends with the real prefill and leaves the pool empty."""
+    eng, config = _engine("herald", cpu_kv_tokens=2 * 512 + 64)
+    try:
+        check = check_peak(eng, byte_level_tokenizer(config))
+        assert check.run.batch == 2 and check.run.prefill_tokens == 480
+        _empty(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["dense", "herald"])
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_out_of_memory_is_a_refusal_naming_the_flags(mode: str, fail_at: int) -> None:
+    """A step that runs out of GPU memory (the fillers' first step, or one beside the real
+    prefill) ends the check with PeakCheckFailed; the engine is left empty and serves."""
+    eng, config = _engine(mode)
+    real_step, calls = eng._step, [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 558.00 MiB. GPU 0")
+        return real_step()
+
+    eng._step = step
+    try:
+        with pytest.raises(PeakCheckFailed) as e:
+            check_peak(eng, byte_level_tokenizer(config))
+        msg = str(e.value)
+        for flag in ("--max-batch-size 4", "--max-seq-len 512", "--max-prefill-tokens 256"):
+            assert flag in msg, msg
+        assert "Tried to allocate 558.00 MiB" in msg
+        assert isinstance(e.value, ValueError)  # the CLI's error path
+        assert eng.hooks.synthetic_prefill is None and eng.scheduler.max_prefill_tokens == 256
+        _empty(eng)
+        params = SamplingParams(max_new_tokens=32, num_denoise_steps=4, ignore_eos=True)
+        assert len(eng.generate([[1, 2, 3]], params)[0].output_ids) == 32
+    finally:
+        eng.close()
+
+
+def test_the_server_runs_it_when_asked_and_refuses_to_start_when_it_fails(monkeypatch) -> None:
+    from herald.server import launch
+
+    cfg = SERVE_DEFAULTS.replace(max_batch_size=2, max_seq_len=256)
+    app = launch.build_app("tiny-sdar", cfg, warm_up=False, check_memory=True)
+    peak = app.state.herald_peak
+    assert peak is not None and peak.run.batch == 2
+    assert "memory check 2 request(s)" in launch.banner(app, "http://x")
+    assert launch.build_app("tiny-sdar", cfg, warm_up=False).state.herald_peak is None  # CPU
+
+    def fail(eng, tokenizer):
+        raise PeakCheckFailed("out of GPU memory at the start-up memory check: ...")
+
+    monkeypatch.setattr(launch, "check_peak", fail)
+    with pytest.raises(ValueError, match="start-up memory check"):
+        launch.build_app("tiny-sdar", cfg, warm_up=False, check_memory=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "herald"])
+def test_on_cuda_the_peak_is_measured_and_changes_no_reply(mode: str) -> None:
+    """On CUDA the check reports a peak within the card, and the engine's replies after it are
+    those of an engine that never ran it."""
+    config = get_preset("tiny-llada2")
+    offload = None if mode == "dense" else OffloadConfig.for_mode(mode, kv_budget=0.3)
+    cfg = SERVE_DEFAULTS.replace(
+        max_batch_size=4, max_seq_len=256, max_prefill_tokens=128, offload=offload
+    )
+    prompts = [[5 + i for i in range(n)] for n in (40, 90, 7)]
+    params = SamplingParams(max_new_tokens=64, num_denoise_steps=8, ignore_eos=True)
+    replies = []
+    for run_check in (False, True):
+        model = build_model(config, device="cuda", dtype=torch.bfloat16, seed=1)
+        eng = build_engine(model, config, cfg)
+        try:
+            if run_check:
+                check = check_peak(eng, byte_level_tokenizer(config))
+                assert 0 < check.peak_bytes < check.total_bytes
+                assert check.run.batch == 4
+                _empty(eng)
+            replies.append([r.output_ids for r in eng.generate(prompts, params)])
+        finally:
+            eng.close()
+    assert replies[0] == replies[1]
