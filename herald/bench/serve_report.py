@@ -300,11 +300,12 @@ def write_plot(out: Path, runs: list[dict[str, Any]]) -> Path | None:
             skipped("serve report")
         return None
     names = ("end to end", "served (wall - prefill)", "engine decode", "throughput bench")
+    shown = [j for j in range(len(names)) if any(v[j] is not None for _, v in rows)]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(rows)), 4.5))
-    width = 0.2
-    for j, name in enumerate(names):
-        xs = [i + (j - 1.5) * width for i in range(len(rows))]
-        ax.bar(xs, [v[j] or 0.0 for _, v in rows], width, label=name)
+    width = 0.8 / len(shown)
+    for n, j in enumerate(shown):  # a series no level has (no throughput point) is left out
+        xs = [i + (n - (len(shown) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [v[j] or 0.0 for _, v in rows], width, label=names[j])
     ax.set_xticks(range(len(rows)), [label for label, _ in rows], fontsize=6)
     ax.set_ylabel("generated tokens/s")
     ax.set_title("herald bench serve: served rates against the throughput benchmark")

@@ -272,6 +272,13 @@ def level_head(plan: Plan, card: dict[str, Any], server: dict[str, Any]) -> dict
     }  # fmt: skip
 
 
+def served_batch(plan: Plan, concurrency: int) -> int:
+    """The batch the served engine decodes at under ``concurrency`` clients: it runs at most
+    ``max_batch_size`` rows whatever the concurrency, so a level's throughput point runs there."""
+    assert plan.engine is not None
+    return min(concurrency, plan.engine.max_batch_size)
+
+
 def _throughput_command(plan: Plan, prompt_tokens: int) -> str | None:
     """The ``herald bench throughput`` command of the levels at ``prompt_tokens`` (None for a
     server not started here, or one no throughput variant matches)."""
@@ -284,7 +291,7 @@ def _throughput_command(plan: Plan, prompt_tokens: int) -> str | None:
     kv_pad = plan.engine.kv_pad
     budget = plan.offload.kv_budget if plan.offload is not None else None
     return throughput_command(a.model, plan.device.type, variant, budget, prompt_tokens,
-                              sorted({min(c, plan.engine.max_batch_size) for c in a.concurrency}),
+                              sorted({served_batch(plan, c) for c in a.concurrency}),
                               a.steps, kv_pad)  # fmt: skip
 
 
@@ -356,11 +363,8 @@ def run_points(plan: Plan, net: Any, config: Any, head: dict[str, Any], records:
     if variant is None or plan.engine is None:
         log("throughput points: no throughput variant has the served engine's settings")
         return
-    # The served engine runs at most max_batch_size rows whatever the concurrency: the point's
-    # batch is the one the server decodes at.
-    top = plan.engine.max_batch_size
     pairs = [(p, c) for p in a.prompt_tokens for c in a.concurrency]
-    sizes = [(p, min(c, top)) for p, c in pairs]
+    sizes = [(p, served_batch(plan, c)) for p, c in pairs]
     points = ServedPoints(net, config, plan.device, plan.engine, variant, a.steps, sizes)
     try:
         for (p, c), (_, b) in zip(pairs, sizes, strict=True):

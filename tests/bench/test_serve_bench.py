@@ -453,3 +453,31 @@ def test_token_counts_take_a_k_suffix_as_herald_serve_s() -> None:
     )  # fmt: skip
     assert args.prompt_tokens == [1024, 2048] and args.max_tokens == 1024
     assert (args.max_seq_len, args.max_prefill_tokens, args.cpu_kv_tokens) == (4096, 2048, 8192)
+
+
+def test_the_plot_leaves_out_a_series_no_level_has(tmp_path: Path, monkeypatch) -> None:
+    """Without throughput points the legend has no "throughput bench" (its bars would all be
+    empty)."""
+    from types import SimpleNamespace
+
+    from herald.bench import serve_report
+
+    plt = pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed")
+    figs: list[Any] = []
+
+    def subplots(*args: Any, **kwargs: Any) -> Any:
+        fig, ax = plt.subplots(*args, **kwargs)
+        figs.append(fig)
+        return fig, ax
+
+    monkeypatch.setattr(
+        serve_report, "pyplot", lambda: SimpleNamespace(subplots=subplots, close=plt.close)
+    )
+    for bench, want in ((None, 3), (80.0, 4)):
+        rows = [("a", [60.0, 64.0, 70.0, bench]), ("b", [50.0, 55.0, None, None])]
+        monkeypatch.setattr(serve_report, "_plot_rows", lambda runs, rows=rows: rows)
+        assert serve_report.write_plot(tmp_path, []) == tmp_path / PLOT_NAME
+        legend = [t.get_text() for t in figs[-1].axes[0].get_legend().get_texts()]
+        assert len(legend) == want and ("throughput bench" in legend) == (bench is not None)
