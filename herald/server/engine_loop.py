@@ -42,6 +42,7 @@ from herald.engine.base import Engine
 from herald.engine.request import Request, RequestStatus
 from herald.engine.stats import BlockTiming, EngineStats
 from herald.server.metrics import ServerMetrics
+from herald.server.peak import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class EngineLoop:
                 self._failures = 0
             except Exception as e:  # the step failed its own requests; count it
                 log.exception("engine step failed")
-                if type(e).__name__ == "OutOfMemoryError":
+                if is_out_of_memory(e):
                     log.error(
                         "out of GPU memory: the step's requests failed; a lower "
                         "--max-batch-size, --max-seq-len or --max-prefill-tokens leaves more "

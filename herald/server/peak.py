@@ -160,7 +160,9 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
             eng.abort(r)
         while eng.has_unfinished():
             eng.step()
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:  # torch.OutOfMemoryError, or a library's failed allocation
+        if not is_out_of_memory(e):
+            raise
         # step() failed the requests it ran and freed their KV; the rest leave the queue
         for r in reqs:
             eng.abort(r)
@@ -176,6 +178,15 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
     prompts = [len(r.prompt_ids) for r in real]
     run = PeakRun(rows, max(prompts, default=0) + b, sum(prompts))
     return PeakCheck(run, seconds, peak, total)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """``e`` says the GPU ran out of memory: PyTorch's allocator (``torch.OutOfMemoryError``) or
+    a library's own allocation (cuBLAS, cuDNN: a RuntimeError saying so)."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+    )
 
 
 def _add(eng: Any, prompt: list[int], new: int, n: int) -> list[Request]:

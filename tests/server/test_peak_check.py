@@ -16,7 +16,14 @@ from herald.engines import build_engine
 from herald.models.registry import build_model, get_preset
 from herald.models.tokenizer import byte_level_tokenizer
 from herald.server.defaults import SERVE_DEFAULTS
-from herald.server.peak import PeakCheck, PeakCheckFailed, PeakRun, check_peak, plan_peak
+from herald.server.peak import (
+    PeakCheck,
+    PeakCheckFailed,
+    PeakRun,
+    check_peak,
+    is_out_of_memory,
+    plan_peak,
+)
 
 
 def test_the_plan_fills_the_batch_and_outlasts_the_real_prefill() -> None:
@@ -120,6 +127,29 @@ def test_fillers_the_cpu_pool_cannot_hold_are_left_out() -> None:
         check = check_peak(eng, byte_level_tokenizer(config))
         assert check.run.batch == 2 and check.run.prefill_tokens == 480
         _empty(eng)
+    finally:
+        eng.close()
+
+
+def test_what_counts_as_out_of_memory() -> None:
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert is_out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
+def test_another_failure_is_not_taken_for_a_memory_refusal() -> None:
+    eng, config = _engine("dense")
+
+    def step():
+        raise RuntimeError("an engine bug")
+
+    eng._step = step
+    try:
+        with pytest.raises(RuntimeError, match="an engine bug"):
+            check_peak(eng, byte_level_tokenizer(config))
+        assert eng.hooks.synthetic_prefill is None and eng.scheduler.max_prefill_tokens == 256
     finally:
         eng.close()
 
