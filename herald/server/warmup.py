@@ -39,22 +39,37 @@ WARM_UP_STEPS = 3
 @dataclass(frozen=True)
 class WarmUp:
     """What the warm-up did: ``seconds``, the batch sizes its forwards ran at, the forward shapes
-    the engine had captured CUDA graphs for afterwards, and the GPU memory those graphs and the
-    warm-up's caches took (bytes reserved by PyTorch's allocator, after minus before; 0 on CPU)."""
+    the engine had captured CUDA graphs for afterwards, the GPU memory PyTorch's allocator
+    reserved meanwhile (after minus before: the graphs' pools and the blocks the warm-up's eager
+    forwards left cached) and the part of it in the graphs' private pools (0 on CPU)."""
 
     seconds: float
     batch_sizes: tuple[int, ...]
     """Every batch size the engine's decode forwards have run at so far."""
     graph_shapes: int
     gpu_bytes: int
+    graph_pool_bytes: int = 0
 
     def describe(self) -> str:
         sizes = self.batch_sizes
         span = f"{min(sizes)}-{max(sizes)}" if len(sizes) > 1 else str(sizes[0]) if sizes else "-"
         text = f"{self.seconds:.1f} s, batch sizes {span}"
         if self.graph_shapes:
-            text += f", {self.graph_shapes} CUDA-graph shapes ({self.gpu_bytes / 2**30:.2f} GiB)"
+            text += (
+                f", {self.graph_shapes} CUDA-graph shapes ({self.graph_pool_bytes / 2**30:.2f} "
+                f"GiB in their pools, of {self.gpu_bytes / 2**30:.2f} GiB the warm-up reserved)"
+            )
         return text
+
+
+def graph_pool_bytes(segments: list[dict[str, Any]], device: int) -> int:
+    """Bytes of ``device``'s allocator segments (``torch.cuda.memory_snapshot()``) that belong to
+    a private pool (a CUDA graph's): every pool but the default one, ``(0, 0)``."""
+    return sum(
+        int(s["total_size"])
+        for s in segments
+        if s.get("device", device) == device and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
 
 
 def warm_up_plan(
@@ -102,5 +117,10 @@ def warm_up_engine(eng: Any, tokenizer: Any, *, all_sizes: bool | None = None) -
     seconds = time.perf_counter() - t0
     sizes = {bs for bs, _ in eng.runner.forwards}
     after = torch.cuda.memory_reserved(eng.device) if cuda else 0
+    pools = 0
+    if cuda:
+        index = torch.device(eng.device).index or 0
+        pools = graph_pool_bytes(torch.cuda.memory_snapshot(), index)
     eng.stats = EngineStats()
-    return WarmUp(seconds, tuple(sorted(sizes)), eng.runner.num_graph_shapes, after - before)
+    shapes = eng.runner.num_graph_shapes
+    return WarmUp(seconds, tuple(sorted(sizes)), shapes, after - before, pools)

@@ -12,7 +12,7 @@ from herald.engines import build_engine
 from herald.models.registry import build_model, get_preset
 from herald.models.tokenizer import byte_level_tokenizer
 from herald.server.defaults import SERVE_DEFAULTS
-from herald.server.warmup import WarmUp, warm_up_engine, warm_up_plan
+from herald.server.warmup import WarmUp, graph_pool_bytes, warm_up_engine, warm_up_plan
 
 
 def test_the_plan_staggers_one_wave_when_it_fits() -> None:
@@ -30,9 +30,23 @@ def test_the_plan_falls_back_to_one_wave_per_size_in_a_short_context() -> None:
 
 
 def test_describe_names_the_sizes_and_the_graphs() -> None:
-    w = WarmUp(12.34, (1, 2, 3, 4), 8, 3 * 2**30)
-    assert w.describe() == "12.3 s, batch sizes 1-4, 8 CUDA-graph shapes (3.00 GiB)"
+    w = WarmUp(12.34, (1, 2, 3, 4), 8, 3 * 2**30, 2**30)
+    assert w.describe() == (
+        "12.3 s, batch sizes 1-4, 8 CUDA-graph shapes (1.00 GiB in their pools, of 3.00 GiB the "
+        "warm-up reserved)"
+    )
     assert WarmUp(0.5, (1,), 0, 0).describe() == "0.5 s, batch sizes 1"
+
+
+def test_graph_pool_bytes_counts_the_private_pools_of_one_device() -> None:
+    segments = [
+        {"device": 0, "total_size": 100, "segment_pool_id": (0, 0)},  # the default pool
+        {"device": 0, "total_size": 20, "segment_pool_id": (1, 1)},  # a graph's
+        {"device": 0, "total_size": 3, "segment_pool_id": (1, 2)},
+        {"device": 1, "total_size": 1000, "segment_pool_id": (1, 1)},  # another card
+    ]
+    assert graph_pool_bytes(segments, 0) == 23 and graph_pool_bytes(segments, 1) == 1000
+    assert graph_pool_bytes([], 0) == 0
 
 
 def _engine(mode: str, device: str, max_batch_size: int, max_seq_len: int = 512):
@@ -99,6 +113,7 @@ def test_warm_up_captures_every_size_and_changes_no_reply(mode: str) -> None:
         w = warm_up_engine(warm, byte_level_tokenizer(config))
         assert w.batch_sizes == (1, 2, 3, 4)
         assert w.graph_shapes >= 4
+        assert 0 < w.graph_pool_bytes <= w.gpu_bytes
         b = config.block_size
         assert all((bs, b) in warm.runner._graphs for bs in range(1, 5))
         got = [r.output_ids for r in warm.generate(_prompts(), params)]
