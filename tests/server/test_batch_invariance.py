@@ -1,19 +1,19 @@
 """Batch invariance through the real server, in every mode: mixed-length standard-library
-prompts sent at once (32 on a CUDA GPU, 16 on the CPU), each reply equal to the same prompt sent
+prompts sent at once (32 on a CUDA GPU, 8 on the CPU), each reply equal to the same prompt sent
 alone.
 
 The embedded trained model (real text, real attention patterns, so real near-ties in the
 offloading modes' selections), bf16 on the CPU (and on a CUDA GPU, marked gpu), at each mode's
-default budget. Eight running requests at most and a prefill budget of 256 tokens per boundary,
-so the prompts queue, join at different boundaries next to different mates, and long ones
-prefill over several boundaries.
+default budget. Eight running requests at most on the GPU, four on the CPU, and a prefill
+budget of 256 tokens per boundary, so the prompts queue, join at different boundaries next to
+different mates, and long ones prefill over several boundaries.
 One or two blocks per reply (the second block's selection is the retrieval stream's), two or
-three denoising steps per block, so the whole test stays within CPU minutes. On the CPU half
-the prompts (still twice the running slots, every prompt length, both reply lengths and both
-step counts; each standard-library file once): bf16 matmuls are slow on a CPU without bf16
-instructions and the prompts sent one at a time run one after another: on a 2-core machine 32
-prompts took 103 s in dense mode (~7 minutes over the four modes, the suite's slowest tests by
-far), 16 take 47-67 s per mode.
+three denoising steps per block, so the whole test stays within CPU minutes. On the CPU a
+quarter of the prompts and half the slots (still twice the running slots, every prompt length,
+both reply lengths and both step counts; each standard-library file once): bf16 matmuls are
+slow on a CPU without bf16 instructions and the prompts sent one at a time run one after
+another: on a 2-core machine 32 prompts took 103 s in dense mode, 16 took 47-67 s per mode
+(~4 minutes over the four modes, a fifth of the suite); 8 take 26-33 s.
 What a reply may not depend on: its batch mates (attention over padded key lengths, the
 selection kernel's schedule), when it joined, and how the prefill budget was shared.
 """
@@ -40,8 +40,10 @@ TOKENS = [40, 150, 300, 600]  # prompt lengths, cycled
 CLIENT_TIMEOUT = httpx.Timeout(600.0)  # 32 queued requests on a 2-core machine
 
 
-PROMPTS = {"cpu": 16, "cuda": 32}
+PROMPTS = {"cpu": 8, "cuda": 32}
 """Prompts per device: the first this many of :func:`_bodies`."""
+SLOTS = {"cpu": 4, "cuda": 8}
+"""Running requests at most per device (``--max-batch-size``)."""
 
 
 def _bodies() -> list[dict[str, Any]]:
@@ -71,7 +73,7 @@ def test_every_reply_equals_the_same_prompt_alone(
 ) -> None:
     bodies = bodies[: PROMPTS[device]]
     srv = start_server(dtype=torch.bfloat16, mode=mode, model=MODEL, device=device,
-                       max_batch_size=8, max_seq_len=1024, max_prefill_tokens=256,
+                       max_batch_size=SLOTS[device], max_seq_len=1024, max_prefill_tokens=256,
                        max_waiting=64)  # fmt: skip
     try:
         with httpx.Client(base_url=srv.url, timeout=CLIENT_TIMEOUT) as c:
