@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _after_ctrl_c(e):
             raise
         print("interrupted", file=sys.stderr)
+        from herald.cli import interrupt  # main got past this import
+
+        interrupt.quiet_exit_on_next()  # a second Ctrl-C while Python shuts down: at once
         return 130
 
 

@@ -16,7 +16,9 @@ follows an interrupt as the interrupt (:func:`seen`). And it imports its modules
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +73,26 @@ def deferred() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, _on_sigint)
     check()
+
+
+def quiet_exit_on_next() -> None:
+    """After a Ctrl-C ended the command: another SIGINT while the interpreter shuts down (its
+    atexit handlers and threads take ~0.7 s once torch is loaded) ends the process at once with
+    status 130, instead of raising KeyboardInterrupt wherever it lands (a traceback from an
+    atexit handler). Only where Python's own handler is in place, in the main thread."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(130)
 
 
 def seen() -> bool:

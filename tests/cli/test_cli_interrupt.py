@@ -64,6 +64,15 @@ def test_ctrl_c_while_torch_imports_numpy() -> None:
     assert out.stdout == ""
 
 
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored() -> Iterator[None]:
+    """A command that ends on a Ctrl-C leaves a quick-exit handler for the interpreter's
+    shutdown (interrupt.quiet_exit_on_next): not for the rest of this test process."""
+    old = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture
 def python_sigint() -> Iterator[None]:
     """SIGINT handled by Python's own handler, as in the ``herald`` script."""
@@ -177,3 +186,41 @@ def test_the_script_imports_little_before_main_handles_ctrl_c() -> None:
     code = "import sys; old = set(sys.modules); import herald.cli; print(*set(sys.modules) - old)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert set(out.stdout.split()) <= {"__future__", "herald", "herald.onednn", "herald.cli"}
+
+
+def test_after_a_ctrl_c_a_second_one_while_python_shuts_down_exits_at_once(
+    python_sigint, monkeypatch, capsys
+) -> None:
+    """The command ended on a Ctrl-C: the next SIGINT (during the interpreter's shutdown: atexit
+    handlers, threads) is a quiet exit with 130, not a traceback from wherever it lands."""
+    import herald.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    assert main(["generate"]) == 130
+    assert signal.getsignal(signal.SIGINT) is interrupt._exit_now
+    child = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from herald.cli import interrupt
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.quiet_exit_on_next()
+        print("before", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # never reached: the handler exits
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (130, "before\n", "")
+
+
+def test_a_process_that_ignores_sigint_keeps_ignoring_it() -> None:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        interrupt.quiet_exit_on_next()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
