@@ -124,6 +124,15 @@ def test_waiting_queue_bound(tiny, aloop) -> None:
     loop.submit([7] * 10, PARAMS, aloop)
 
 
+async def _last_item(loop: EngineLoop, ids: list[int]) -> tuple[str, Any]:
+    """Submit ``ids`` and return the handle's last item (``done`` or ``error``)."""
+    h = loop.submit(ids, PARAMS, asyncio.get_running_loop())
+    while True:
+        kind, val = await asyncio.wait_for(h.queue.get(), 30)
+        if kind != "tokens":
+            return kind, val
+
+
 def _broken() -> None:
     raise RuntimeError("broken")
 
@@ -143,11 +152,7 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_declared_dead(tiny
     engine._prefill = prefill  # type: ignore[method-assign]
 
     async def one(ids: list[int]) -> tuple[str, Any]:
-        h = loop.submit(ids, PARAMS, asyncio.get_running_loop())
-        while True:
-            kind, val = await asyncio.wait_for(h.queue.get(), 30)
-            if kind != "tokens":
-                return kind, val
+        return await _last_item(loop, ids)
 
     async def go() -> None:
         # A prefill failure fails the request being admitted (and the step's running ones).
@@ -187,11 +192,7 @@ def test_out_of_gpu_memory_in_a_step_says_which_flags_lower_it(tiny, caplog) -> 
     engine._prefill = prefill  # type: ignore[method-assign]
 
     async def one(ids: list[int]) -> tuple[str, Any]:
-        h = loop.submit(ids, PARAMS, asyncio.get_running_loop())
-        while True:
-            kind, val = await asyncio.wait_for(h.queue.get(), 30)
-            if kind != "tokens":
-                return kind, val
+        return await _last_item(loop, ids)
 
     async def go() -> None:
         kind, val = await one(tokenizer.encode("long enough to need a prefill forward" * 2))
