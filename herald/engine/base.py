@@ -232,8 +232,14 @@ class Engine(ABC):
             try:
                 self._prefill(chunk)
                 self._sync()
+                if chunk.last:
+                    # Prefill time too: an offloading engine's join moves the prompt's KV to
+                    # the CPU pool and selects the first block.
+                    self._join(chunk)
+                    self._sync()
             except BaseException as exc:
-                # This chunk's request and those of the chunks not yet run (admitted too) fail.
+                # This chunk's request and those of the chunks not yet run (admitted too) fail;
+                # a join that failed may have taken the request's slot (freed here too).
                 st = self.scheduler.prefilling
                 if st is not None and any(st.request is c.request for c in chunks[i:]):
                     self.scheduler.drop_prefilling()
@@ -243,10 +249,6 @@ class Engine(ABC):
             self.stats.num_prefill_tokens += chunk.end - chunk.start
             if chunk.last:
                 self.stats.num_prompt_tokens += chunk.request.prompt_len
-                # Prefill time too: an offloading engine's join moves the prompt's KV to the CPU
-                # pool and selects the first block.
-                self._join(chunk)
-                self._sync()
             self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _forwards_per_boundary(self) -> int:
