@@ -11,9 +11,11 @@ import torch
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (``-n N``) each worker takes its share of the cores for torch's
     intra-op threads, so N workers do not oversubscribe the machine (OpenMP threads spin)."""
+    from herald.env import usable_cpus
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, usable_cpus() // workers))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,22 +8,24 @@ runs. vLLM and SGLang size their KV cache from a profile run at start-up for thi
 KV slots are sized by the flags, so the check runs that moment itself and refuses a configuration
 that does not fit it (:class:`PeakCheckFailed`, naming the flags that lower it).
 
-What :func:`check_peak` runs (every request ignores EOS and denoises a block in
-:data:`~herald.server.warmup.WARM_UP_STEPS` steps):
+What :func:`check_peak` runs (:func:`plan_peak` gives the sizes; every request ignores EOS):
 
-1. ``max_batch_size - k`` filler requests with prompts a few blocks short of ``max_seq_len``
-   join the batch at one boundary with random KV in place of their prompt forwards
+1. ``max_batch_size - k`` filler requests with prompts four blocks short of ``max_seq_len`` join
+   the batch at one boundary with random KV in place of their prompt forwards
    (:class:`~herald.engine.hooks.SyntheticPrefill`: the KV's values do not change the memory a
    step takes), and decode;
 2. ``k`` requests of ``max_seq_len - B`` prompt tokens, as many as one boundary's prefill budget
    holds (at most the free slots), go through the real prefill forwards beside them and join:
-   the batch is then full at its longest;
+   the batch is then full at its longest. Each block takes enough denoising steps (at least
+   :data:`~herald.server.warmup.WARM_UP_STEPS`) for their whole prefill to fit in one block's
+   boundaries, so the fillers outlast it with their long prompts (a small budget against a long
+   context needs more than ``B`` steps: then the fillers' prompts are shorter);
 3. once those finished their block, the fillers are aborted; the engine is left empty, its
    counters reset.
 
 On CUDA the peak is PyTorch's peak reserved memory during the run plus what it did not allocate
-(the CUDA context, other processes). A filler the CPU KV pool cannot hold beside the others is
-left out, as a server would keep it waiting.
+(the CUDA context, other processes). In an offloading mode the fillers leave the real requests'
+CPU pages free: a batch the pool cannot hold is a batch the server never runs either.
 """
 
 from __future__ import annotations
@@ -58,17 +60,21 @@ class PeakCheckFailed(ValueError):
 
 @dataclass(frozen=True)
 class PeakRun:
-    """What the check ran: ``batch`` requests at once, the longest of ``context`` tokens,
-    ``prefill_tokens`` prompt tokens through the real prefill beside them."""
+    """What the check ran: at most ``batch`` requests at once, the longest of ``context``
+    tokens, ``prefill_tokens`` prompt tokens through the real prefill while ``beside`` requests
+    ran."""
 
     batch: int
     context: int
     prefill_tokens: int
+    beside: int
 
     def describe(self) -> str:
+        if not self.batch:
+            return "no request could run (no block after a prompt, or no CPU pages)"
         return (
             f"{self.batch} request(s) of up to {self.context:,} tokens at once, "
-            f"{self.prefill_tokens:,} prompt tokens prefilled beside them"
+            f"{self.prefill_tokens:,} prompt tokens prefilled beside {self.beside} running"
         )
 
 
@@ -97,21 +103,37 @@ class PeakCheck:
         return text
 
 
+@dataclass(frozen=True)
+class PeakPlan:
+    """The sizes of :func:`check_peak`'s requests (module docstring)."""
+
+    fillers: int
+    filler_prompt: int
+    filler_new: int
+    real: int
+    """Real requests, ``k``."""
+    real_prompt: int
+    steps: int
+    """Denoising steps per block, of every request."""
+
+
 def plan_peak(
     max_batch_size: int, block_size: int, max_seq_len: int, max_prefill_tokens: int | None
-) -> tuple[int, int, int, int]:
-    """``(fillers, filler_prompt, filler_new, real_prompt)``: the sizes of :func:`check_peak`'s
-    requests (see the module docstring); ``k = max_batch_size - fillers`` real requests of
-    ``real_prompt`` tokens, each generating one block. The fillers generate blocks enough to
-    outlast the real requests' prefill (one boundary per budget's worth, plus two), as far as
-    ``max_seq_len`` allows."""
+) -> PeakPlan:
+    """The check's sizes: ``k`` real requests of ``max_seq_len - B`` tokens (one boundary's
+    budget, at most the slots), each generating one block; ``n`` = the boundaries their prefill
+    takes at one budget per boundary (the dense engine's are its forwards); ``steps`` = ``n +
+    1`` (at least the warm-up's, at most ``B``: a block spans the prefill); the fillers generate
+    ``ceil((n + 1) / steps) + 3`` blocks (the block they join in, the prefill's, the real
+    requests' block, one to spare), as far as ``max_seq_len`` allows."""
     b = block_size
     real = max(1, max_seq_len - b)
     budget = max_prefill_tokens
     k = 1 if budget is None else min(max_batch_size, max(1, math.ceil(budget / real)))
-    boundaries = 1 if budget is None else math.ceil(k * real / max(b, budget)) + 1
-    new = min((boundaries + 2) * b, max(b, (max_seq_len - 1) // b * b))
-    return max_batch_size - k, max(1, max_seq_len - new), new, real
+    n = 1 if budget is None else math.ceil(k * real / max(b, budget))
+    steps = min(b, max(WARM_UP_STEPS, n + 1))
+    new = min((math.ceil((n + 1) / steps) + 3) * b, max(b, (max_seq_len - 1) // b * b))
+    return PeakPlan(max_batch_size - k, max(1, max_seq_len - new), new, k, real, steps)
 
 
 def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
@@ -121,9 +143,8 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
         PeakCheckFailed: it ran out of GPU memory; the engine is left empty and usable.
     """
     b, cuda, dev = eng.block_size, eng.device.type == "cuda", eng.device
-    fillers, filler_len, filler_new, real_len = plan_peak(
-        eng.max_batch_size, b, eng.max_seq_len, eng.max_prefill_tokens
-    )
+    plan = plan_peak(eng.max_batch_size, b, eng.max_seq_len, eng.max_prefill_tokens)
+    fillers = _fillers_the_pool_holds(eng, plan)
     seed = tokenizer.encode(WARM_UP_PROMPT) or [0]
     tokens = (seed * (eng.max_seq_len // len(seed) + 1))[: eng.max_seq_len]
     total = others = 0
@@ -136,26 +157,25 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
     t0 = time.perf_counter()
     reqs: list[Request] = []
     real: list[Request] = []
-    rows = 0
+    rows = beside = 0
     try:
-        reqs = _add(eng, tokens[:filler_len], filler_new, fillers)
+        reqs = _add(eng, tokens[: plan.filler_prompt], plan.filler_new, fillers, plan.steps)
         # the fillers join at once: no prefill budget for their (synthetic) prompts
         hooks, budget = eng.hooks, eng.scheduler.max_prefill_tokens
         eng.hooks = dataclasses.replace(hooks, synthetic_prefill=SyntheticPrefill(cpu_pages=False))
         eng.scheduler.max_prefill_tokens = None
         try:
-            eng.step()
+            rows = _step_rows(eng)
         finally:
             eng.hooks, eng.scheduler.max_prefill_tokens = hooks, budget
-        rows = eng.num_running
         for r in reqs:  # the pool could not hold it beside the others: a server keeps it waiting
             if r.status == RequestStatus.WAITING:
                 eng.abort(r)
-        real = _add(eng, tokens[:real_len], b, eng.max_batch_size - fillers)
+        beside = eng.num_running
+        real = _add(eng, tokens[: plan.real_prompt], b, plan.real, plan.steps)
         reqs += real
         while not all(r.status.finished for r in real):
-            eng.step()
-            rows = max(rows, eng.num_running)
+            rows = max(rows, _step_rows(eng))
         for r in reqs:
             eng.abort(r)
         while eng.has_unfinished():
@@ -171,28 +191,58 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
         if cuda:
             torch.cuda.empty_cache()
         eng.stats = EngineStats()
-        raise PeakCheckFailed(_failure(eng, real_len, len(real), peak, total, e)) from None
+        fillers_ran = len(reqs) - len(real)
+        raise PeakCheckFailed(
+            _failure(eng, plan, fillers_ran, bool(real), peak, total, e)
+        ) from None
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_reserved(dev) + others if cuda else 0
     eng.stats = EngineStats()
     prompts = [len(r.prompt_ids) for r in real]
-    run = PeakRun(rows, max(prompts, default=0) + b, sum(prompts))
+    ran = max([*prompts, *(len(r.prompt_ids) for r in reqs if r.output_ids)], default=-b) + b
+    run = PeakRun(rows, ran if rows else 0, sum(prompts) if rows else 0, beside)
     return PeakCheck(run, seconds, peak, total)
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """``e`` says the GPU ran out of memory: PyTorch's allocator (``torch.OutOfMemoryError``) or
-    a library's own allocation (cuBLAS, cuDNN: a RuntimeError saying so)."""
-    text = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
-    )
+def _step_rows(eng: Any) -> int:
+    """One step; the rows its decode forward ran (the engine's counters: a step runs one)."""
+    st = eng.stats
+    rows, forwards = st.num_batch_rows, st.num_forwards
+    eng.step()
+    return (st.num_batch_rows - rows) // max(1, st.num_forwards - forwards)
 
 
-def _add(eng: Any, prompt: list[int], new: int, n: int) -> list[Request]:
-    """``n`` requests of ``prompt`` generating ``new`` tokens (fewer when the CPU KV pool cannot
-    hold them: a shorter prompt, halved until it fits)."""
-    params = SamplingParams(max_new_tokens=new, num_denoise_steps=WARM_UP_STEPS, ignore_eos=True)
+def _fillers_the_pool_holds(eng: Any, plan: PeakPlan) -> int:
+    """The plan's fillers, fewer where the CPU KV pool cannot hold them and the real requests
+    together (dense: no pool)."""
+    pages = eng.usage().cpu_pages_total
+    if not pages:
+        return plan.fillers
+    need = eng.kv.pages_needed
+    left = pages - plan.real * need(plan.real_prompt, eng.block_size)
+    return max(0, min(plan.fillers, left // max(1, need(plan.filler_prompt, plan.filler_new))))
+
+
+def is_out_of_memory(e: BaseException | None) -> bool:
+    """``e``, or an error it was raised from (the retrieval stream's failure wraps its cause),
+    says the GPU ran out of memory: PyTorch's allocator (``torch.OutOfMemoryError``) or a
+    library's own allocation (cuBLAS, cuDNN: a RuntimeError saying so)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, torch.OutOfMemoryError) or (
+            isinstance(e, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+        ):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _add(eng: Any, prompt: list[int], new: int, n: int, steps: int) -> list[Request]:
+    """``n`` requests of ``prompt`` generating ``new`` tokens in ``steps`` per block (a shorter
+    prompt, halved until it fits, when the CPU KV pool cannot hold it at all)."""
+    params = SamplingParams(max_new_tokens=new, num_denoise_steps=steps, ignore_eos=True)
     out: list[Request] = []
     while len(out) < n:
         try:
@@ -204,15 +254,29 @@ def _add(eng: Any, prompt: list[int], new: int, n: int) -> list[Request]:
     return out
 
 
-def _failure(eng: Any, real_len: int, n_real: int, peak: int, total: int, e: Exception) -> str:
-    budget = eng.max_prefill_tokens
-    where = "; ".join(str(e).split(". ")[:2])
-    return (
-        f"out of GPU memory at the start-up memory check: {eng.max_batch_size} requests of up to "
-        f"{eng.max_seq_len:,} tokens running (--max-batch-size {eng.max_batch_size}, "
-        f"--max-seq-len {eng.max_seq_len}) while {max(1, n_real)} prompt(s) of {real_len:,} "
-        f"tokens are prefilled beside them (--max-prefill-tokens "
-        f"{'unbounded' if budget is None else budget}) need more than this card has"
-        + (f" (peak {peak / 2**30:.1f} of {total / 2**30:.1f} GiB before failing)" if total else "")
-        + f": lower one of those flags ({where})"
-    )
+def _failure(
+    eng: Any,
+    plan: PeakPlan,
+    fillers: int,
+    prefilling: bool,
+    peak: int,
+    total: int,
+    e: Exception,
+) -> str:
+    """The refusal: what ran when memory ran out, and the flags that lower it."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    why = ". ".join(first.split(". ")[:2])
+    seq = f"--max-batch-size {eng.max_batch_size}, --max-seq-len {eng.max_seq_len}"
+    if not prefilling:  # the fillers' first step: the prefill budget plays no part
+        what = f"{fillers} requests of up to {eng.max_seq_len:,} tokens decoding ({seq})"
+        flags = "lower --max-batch-size or --max-seq-len"
+    else:
+        budget = eng.max_prefill_tokens
+        what = (
+            f"{plan.real} prompt(s) of {plan.real_prompt:,} tokens prefilled (--max-prefill-tokens "
+            f"{'unbounded' if budget is None else budget}) beside {fillers} requests of up to "
+            f"{eng.max_seq_len:,} tokens decoding ({seq})"
+        )
+        flags = "lower --max-batch-size, --max-seq-len or --max-prefill-tokens"
+    held = f" (peak {peak / 2**30:.1f} of {total / 2**30:.1f} GiB)" if total else ""
+    return f"out of GPU memory at the start-up memory check, with {what}{held}: {flags} ({why})"

@@ -19,6 +19,7 @@ from herald.server.defaults import SERVE_DEFAULTS
 from herald.server.peak import (
     PeakCheck,
     PeakCheckFailed,
+    PeakPlan,
     PeakRun,
     check_peak,
     is_out_of_memory,
@@ -27,33 +28,41 @@ from herald.server.peak import (
 
 
 def test_the_plan_fills_the_batch_and_outlasts_the_real_prefill() -> None:
-    # 16K context, budget 4,096: one real prompt over four boundaries, 63 fillers that generate
-    # a block for each, one more, and two to spare
-    assert plan_peak(64, 32, 16384, 4096) == (63, 16384 - 224, 224, 16352)
-    # a budget of four prompts: four real ones, the rest fillers
-    assert plan_peak(64, 32, 16384, 65536)[0] == 64 - 5
+    # 16K context, budget 4,096: one real prompt over four boundaries, so five steps per block
+    # (the prefill fits in one block's boundaries); 63 fillers four blocks short of the context
+    assert plan_peak(64, 32, 16384, 4096) == PeakPlan(63, 16384 - 128, 128, 1, 16352, 5)
+    # a budget of four prompts: five real ones (the fifth's first piece), the rest fillers
+    plan = plan_peak(64, 32, 16384, 65536)
+    assert (plan.fillers, plan.real, plan.steps) == (59, 5, 3)
     # unbounded: every admitted prompt whole at one boundary
-    assert plan_peak(8, 32, 1024, None) == (7, 1024 - 96, 96, 992)
+    assert plan_peak(8, 32, 1024, None) == PeakPlan(7, 1024 - 128, 128, 1, 992, 3)
     # more budget than slots: every slot a real request
-    assert plan_peak(2, 32, 512, 100_000)[0] == 0
+    assert plan_peak(2, 32, 512, 100_000).fillers == 0
+    # a budget far below the context: at most B steps a block, the fillers shorter to outlast
+    # the prefill's 127 boundaries
+    plan = plan_peak(4, 32, 4096, 32)
+    assert plan.steps == 32 and plan.filler_prompt == 4096 - 7 * 32
     # a short context: the fillers still fit (at least a one-token prompt)
-    fillers, prompt, new, real = plan_peak(4, 32, 64, 32)
-    assert prompt >= 1 and prompt + new <= 64 and real == 32
+    plan = plan_peak(4, 32, 64, 32)
+    assert plan.filler_prompt >= 1 and plan.filler_prompt + plan.filler_new <= 64
+    assert plan.real_prompt == 32
 
 
 def test_describe() -> None:
-    run = PeakRun(64, 16384, 16352)
+    run = PeakRun(64, 16384, 16352, 63)
     assert run.describe() == (
-        "64 request(s) of up to 16,384 tokens at once, 16,352 prompt tokens prefilled beside them"
+        "64 request(s) of up to 16,384 tokens at once, 16,352 prompt tokens prefilled beside 63 "
+        "running"
     )
     gpu = PeakCheck(run, 9.84, int(70.5 * 2**30), int(79.2 * 2**30))
     assert gpu.describe().endswith(": 9.8 s, peak 70.5 of 79.2 GiB of GPU memory")
     assert 0.10 < gpu.headroom < 0.11
     cpu = PeakCheck(run, 0.2, 0, 0)
     assert cpu.describe().endswith(": 0.2 s") and cpu.headroom == 1.0
+    assert PeakRun(0, 0, 0, 0).describe().startswith("no request could run")
 
 
-def _engine(mode: str, *, cpu_kv_tokens: int | None = None):
+def _engine(mode: str, *, cpu_kv_tokens: int | None = None, max_seq_len: int = 512):
     config = get_preset("tiny-sdar")
     dtype = torch.float32 if mode == "dense" else torch.bfloat16
     model = build_model(config, device="cpu", dtype=dtype, seed=1)
@@ -61,7 +70,7 @@ def _engine(mode: str, *, cpu_kv_tokens: int | None = None):
     if mode != "dense":
         offload = OffloadConfig.for_mode(mode, kv_budget=0.3, cpu_kv_tokens=cpu_kv_tokens)
     cfg = SERVE_DEFAULTS.replace(
-        max_batch_size=4, max_seq_len=512, max_prefill_tokens=256, offload=offload
+        max_batch_size=4, max_seq_len=max_seq_len, max_prefill_tokens=256, offload=offload
     )
     return build_engine(model, config, cfg), config
 
@@ -99,10 +108,11 @@ def _empty(eng) -> None:
 def test_a_full_batch_beside_real_prefill_then_the_engine_as_before(recorded) -> None:
     eng, config, chunks, lengths = recorded
     b = config.block_size
-    fillers, filler_len, _, real_len = plan_peak(4, b, 512, 256)
+    plan = plan_peak(4, b, 512, 256)
+    fillers, filler_len, real_len = plan.fillers, plan.filler_prompt, plan.real_prompt
     check = check_peak(eng, byte_level_tokenizer(config))
     assert check.run.batch == 4 and check.run.context == 512
-    assert check.run.prefill_tokens == real_len == 480
+    assert check.run.prefill_tokens == real_len == 480 and check.run.beside == fillers == 3
     assert check.peak_bytes == 0 and check.total_bytes == 0  # not measured on the CPU
     synthetic = [n for n, s, _ in chunks if s]
     real = [(n, rows) for n, s, rows in chunks if not s]
@@ -120,12 +130,24 @@ def test_a_full_batch_beside_real_prefill_then_the_engine_as_before(recorded) ->
 
 
 def test_fillers_the_cpu_pool_cannot_hold_are_left_out() -> None:
-    """A pool of about two requests' pages: the other fillers are aborted (a server keeps them
-    waiting), the check still ends with the real prefill and leaves the pool empty."""
+    """A pool of about two requests' pages: one filler, beside the real request (whose pages
+    the fillers leave free); the check leaves the pool empty."""
     eng, config = _engine("herald", cpu_kv_tokens=2 * 512 + 64)
     try:
         check = check_peak(eng, byte_level_tokenizer(config))
+        # the fillers left the real request's pages free: it was prefilled beside one
         assert check.run.batch == 2 and check.run.prefill_tokens == 480
+        assert check.run.beside == 1
+        _empty(eng)
+    finally:
+        eng.close()
+
+
+def test_a_context_of_one_block_runs_nothing_and_says_so() -> None:
+    eng, config = _engine("dense", max_seq_len=32)
+    try:
+        check = check_peak(eng, byte_level_tokenizer(config))
+        assert check.run.batch == 0 and "no request could run" in check.describe()
         _empty(eng)
     finally:
         eng.close()
@@ -137,6 +159,13 @@ def test_what_counts_as_out_of_memory() -> None:
     assert is_out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
+    try:  # the retrieval stream's failure, raised from what failed on its thread
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("retrieval stream failed") from inner
+    except RuntimeError as wrapped:
+        assert is_out_of_memory(wrapped)
 
 
 def test_another_failure_is_not_taken_for_a_memory_refusal() -> None:
@@ -165,7 +194,10 @@ def test_out_of_memory_is_a_refusal_naming_the_flags(mode: str, fail_at: int) ->
     def step():
         calls[0] += 1
         if calls[0] == fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 558.00 MiB. GPU 0")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 558.00 MiB. GPU 0 has a total capacity of "
+                "79.18 GiB\nmore lines"
+            )
         return real_step()
 
     eng._step = step
@@ -173,9 +205,10 @@ def test_out_of_memory_is_a_refusal_naming_the_flags(mode: str, fail_at: int) ->
         with pytest.raises(PeakCheckFailed) as e:
             check_peak(eng, byte_level_tokenizer(config))
         msg = str(e.value)
-        for flag in ("--max-batch-size 4", "--max-seq-len 512", "--max-prefill-tokens 256"):
-            assert flag in msg, msg
-        assert "Tried to allocate 558.00 MiB" in msg
+        assert "--max-batch-size 4, --max-seq-len 512" in msg, msg
+        # the fillers' first step ran no prefill: the budget is not what to lower there
+        assert ("--max-prefill-tokens" in msg) == (fail_at > 1), msg
+        assert msg.endswith("(CUDA out of memory. Tried to allocate 558.00 MiB)"), msg
         assert isinstance(e.value, ValueError)  # the CLI's error path
         assert eng.hooks.synthetic_prefill is None and eng.scheduler.max_prefill_tokens == 256
         _empty(eng)
