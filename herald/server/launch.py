@@ -205,13 +205,20 @@ def banner(app: FastAPI, url: str) -> str:
 
 class _ShutdownCut(logging.Filter):
     """On uvicorn's logger: its ERROR line "Cancel N running task(s), timeout graceful shutdown
-    exceeded" becomes one warning of herald's. Those requests are answered: a non-streamed one
+    exceeded" becomes one warning of herald's, and so does the traceback of the lifespan that a
+    forced quit cancelled. Those requests are answered: a non-streamed one
     gets a 503 ``server_shutting_down``, a stream that error as its last event, then ``data:
     [DONE]`` (:class:`~herald.server.respond.EventStream`): the designed end of a shutdown that
     ran out of time, not a server error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "timeout graceful shutdown exceeded" not in str(record.msg):
+        msg = str(record.msg)
+        if msg.startswith("Traceback") and msg.rstrip().endswith("CancelledError"):
+            # a forced quit (a second Ctrl-C) cancelled the lifespan: starlette reports the
+            # cancellation as a failed shutdown; serve() stops the engine on the way out
+            log.warning("forced quit: requests still running were cut")
+            return False
+        if "timeout graceful shutdown exceeded" not in msg:
             return True
         args = record.args if isinstance(record.args, tuple) else ()
         log.warning("shutdown: %s request(s) still running after the shutdown timeout were cut "
@@ -274,3 +281,7 @@ def serve(
         server.run(sockets=[sock])
     finally:
         sock.close()
+        # A forced quit (a second Ctrl-C while requests run) cancels the lifespan before its
+        # shutdown: the engine thread would still be in a step when the interpreter exits (the
+        # process then aborts). Idempotent after a graceful shutdown.
+        app.state.herald.engine_loop.stop()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from server_kit import API_KEY, TEST_FRONT, TIMEOUT, LiveServer, start_server
 
-from herald.server.defaults import FrontLimits
+from herald.server.defaults import SERVE_DEFAULTS, FrontLimits
 
 LIMITS = FrontLimits(
     header_timeout_s=0.3, body_timeout_s=0.3, keep_alive_timeout_s=0.3, max_body_bytes=4096
@@ -234,3 +234,37 @@ def test_shutdown_closes_requests_still_running_after_its_timeout(
     cut = [r for r in caplog.records if r.getMessage().startswith("shutdown: ")]
     assert [(r.name, r.levelno) for r in cut] == [("herald.server.launch", logging.WARNING)]
     assert cut[0].getMessage().startswith("shutdown: 1 request(s) still running"), cut
+
+
+def test_a_forced_quit_stops_the_engine_and_logs_one_warning(monkeypatch, caplog) -> None:
+    """A second Ctrl-C while requests run makes uvicorn cancel the app's lifespan before its
+    shutdown: serve() still stops the engine thread (else the interpreter exits under a running
+    step and the process aborts), and the cancelled lifespan's traceback, which starlette sends
+    uvicorn as a failed shutdown, is one herald warning."""
+    import logging
+
+    from herald.server import launch
+
+    app = launch.build_app("tiny-sdar", SERVE_DEFAULTS.replace(max_batch_size=1), warm_up=False)
+    stopped: list[bool] = []
+    monkeypatch.setattr(app.state.herald.engine_loop, "stop", lambda: stopped.append(True))
+
+    class ForcedQuit:
+        def run(self, sockets) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "make_server", lambda *args, **kwargs: ForcedQuit())
+    with pytest.raises(KeyboardInterrupt):
+        launch.serve(app, sock=launch.reserve_port("127.0.0.1", 0))
+    assert stopped == [True]
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    record = uvicorn_log.makeRecord(
+        "uvicorn.error", logging.ERROR, __file__, 1,
+        "Traceback (most recent call last):\n  ...\nasyncio.exceptions.CancelledError\n", (), None,
+    )  # fmt: skip
+    assert launch._SHUTDOWN_CUT.filter(record) is False
+    assert "forced quit: requests still running were cut" in caplog.text
+    other = uvicorn_log.makeRecord(
+        "uvicorn.error", logging.ERROR, __file__, 1, "Traceback: ValueError", (), None
+    )
+    assert launch._SHUTDOWN_CUT.filter(other) is True  # any other error is logged as it is
