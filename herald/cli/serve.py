@@ -79,12 +79,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
     s.add_argument(
         "--no-warmup",
         action="store_true",
-        help="skip the start-up warm-up (on the GPU: every batch size from --max-batch-size down "
-        "to 1 runs through the engine, capturing its CUDA graphs, before the server accepts "
-        "requests, so that no client pays compilations or captures; on the CPU one short "
-        "request) and the GPU memory check after it (a full batch near --max-seq-len beside a "
-        "whole --max-prefill-tokens prefill, run once: a configuration that runs out of memory "
-        "there is refused at start-up, not under load)",
+        help="start serving at once, without the warm-up and the memory check. The warm-up runs "
+        "every batch size from --max-batch-size down to 1 through the engine on the GPU, so that "
+        "its CUDA graphs are captured before any client (on the CPU: one short request). The "
+        "memory check then runs a full batch near --max-seq-len beside a whole "
+        "--max-prefill-tokens prefill once, on the GPU, and refuses a configuration that runs out "
+        "of memory there; it adds about one long prefill and a few blocks to the start-up",
     )
     s.add_argument(
         "--served-model-name",
