@@ -77,23 +77,7 @@ def build_app(
     limits.validate()
     denoise.validate()
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
-    if engine.max_seq_len > config.max_position_embeddings:
-        if env.settings().allow_long_context:
-            log.warning(
-                "--max-seq-len %d is more than the model's context (max_position_embeddings %d); "
-                "serving it anyway (HERALD_ALLOW_LONG_CONTEXT=1): positions past the model's "
-                "context were never trained, outputs there may be degraded",
-                engine.max_seq_len, config.max_position_embeddings,
-            )  # fmt: skip
-            net.ensure_max_positions(engine.max_seq_len)
-        else:
-            log.warning(
-                "--max-seq-len %d is more than the model's context (max_position_embeddings %d): "
-                "serving at most %d tokens per request (HERALD_ALLOW_LONG_CONTEXT=1 serves more)",
-                engine.max_seq_len, config.max_position_embeddings,
-                config.max_position_embeddings,
-            )  # fmt: skip
-            engine = engine.replace(max_seq_len=config.max_position_embeddings)
+    engine = _fit_context(net, config, engine)
     eng = build_engine(net, config, engine)
     log.info("%s", eng.describe())
     usage = eng.usage()
@@ -118,6 +102,28 @@ def build_app(
     app.state.herald_warmup_s = None if warmed is None else warmed.seconds
     front.install(app, limits, lambda: state.api_key)
     return app
+
+
+def _fit_context(net: Any, config: Any, engine: EngineConfig) -> EngineConfig:
+    """``engine`` with ``max_seq_len`` capped at the model's context (or the model's positions
+    extended past it, with HERALD_ALLOW_LONG_CONTEXT)."""
+    if engine.max_seq_len <= config.max_position_embeddings:
+        return engine
+    if env.settings().allow_long_context:
+        log.warning(
+            "--max-seq-len %d is more than the model's context (max_position_embeddings %d); "
+            "serving it anyway (HERALD_ALLOW_LONG_CONTEXT=1): positions past the model's "
+            "context were never trained, outputs there may be degraded",
+            engine.max_seq_len, config.max_position_embeddings,
+        )  # fmt: skip
+        net.ensure_max_positions(engine.max_seq_len)
+        return engine
+    log.warning(
+        "--max-seq-len %d is more than the model's context (max_position_embeddings %d): "
+        "serving at most %d tokens per request (HERALD_ALLOW_LONG_CONTEXT=1 serves more)",
+        engine.max_seq_len, config.max_position_embeddings, config.max_position_embeddings,
+    )  # fmt: skip
+    return engine.replace(max_seq_len=config.max_position_embeddings)
 
 
 def _warm_up(eng: Any, tokenizer: Any) -> WarmUp:
