@@ -36,7 +36,7 @@ from herald.server.defaults import (
 )
 from herald.server.engine_loop import EngineLoop
 from herald.server.metrics import ServerMetrics
-from herald.server.peak import LOW_HEADROOM, PeakCheck, check_peak
+from herald.server.peak import CAP_FLAG, LOW_HEADROOM, PeakCheck, cap_gpu_memory, check_peak
 from herald.server.state import served_names
 from herald.server.warmup import WarmUp, warm_up_engine
 
@@ -56,6 +56,7 @@ def build_app(
     warm_up: bool = True,
     denoise: DenoiseDefaults = DENOISE_DEFAULTS,
     check_memory: bool | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
@@ -70,12 +71,17 @@ def build_app(
     ``check_memory`` (default: with ``warm_up``, on CUDA) runs the engine's serving peak once
     after the warm-up (:mod:`herald.server.peak`) and raises
     :class:`~herald.server.peak.PeakCheckFailed` (a ValueError) when it runs out of GPU memory.
+    ``gpu_memory_utilization`` (CUDA only; default None: the whole card) caps what PyTorch's
+    allocator may reserve at that fraction of the card's memory before the model loads
+    (:func:`~herald.server.peak.cap_gpu_memory`), so the weights, KV, CUDA graphs, warm-up and
+    memory check all run under it; the memory check measures against the cap.
     """
     names = served_names(model, served_model_name)
     key = (api_key if api_key is not None else env.settings().api_key) or None
     engine.validate()
     limits.validate()
     denoise.validate()
+    cap = cap_gpu_memory(gpu_memory_utilization, device)
     net, config, tokenizer = load_model(model, device=device, dtype=dtype, random_init_seed=seed)
     engine = _fit_context(net, config, engine)
     eng = build_engine(net, config, engine)
@@ -90,7 +96,7 @@ def build_app(
         )  # fmt: skip
     warmed = _warm_up(eng, tokenizer) if warm_up else None
     run_check = check_memory if check_memory is not None else warm_up and eng.cuda
-    peak = _check_memory(eng, tokenizer) if run_check else None
+    peak = _check_memory(eng, tokenizer, cap) if run_check else None
     metrics = ServerMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     template = ChatTemplate.for_model(model, tokenizer)
@@ -140,16 +146,18 @@ def _warm_up(eng: Any, tokenizer: Any) -> WarmUp:
     return warmed
 
 
-def _check_memory(eng: Any, tokenizer: Any) -> PeakCheck:
+def _check_memory(eng: Any, tokenizer: Any, cap: int | None) -> PeakCheck:
     log.info("memory check: a full batch at --max-seq-len beside a whole prefill budget")
-    peak = check_peak(eng, tokenizer)
+    peak = check_peak(eng, tokenizer, limit_bytes=cap)
     log.info("memory check done: %s", peak.describe())
     if peak.headroom < LOW_HEADROOM:
+        of = f"the GPU memory {CAP_FLAG} allows" if peak.capped else "GPU memory"
+        more = f", or a higher {CAP_FLAG}," if peak.capped else ""
         log.warning(
-            "the memory check's peak leaves %.1f%% of GPU memory free: fragmentation under load "
-            "can take the rest (a lower --max-batch-size or --max-prefill-tokens leaves more)",
-            100 * peak.headroom,
-        )
+            "the memory check's peak leaves %.1f%% of %s free: fragmentation under load can "
+            "take the rest (a lower --max-batch-size or --max-prefill-tokens%s leaves more)",
+            100 * peak.headroom, of, more,
+        )  # fmt: skip
     return peak
 
 

@@ -24,8 +24,11 @@ What :func:`check_peak` runs (:func:`plan_peak` gives the sizes; every request i
    counters reset.
 
 On CUDA the peak is PyTorch's peak reserved memory during the run plus what it did not allocate
-(the CUDA context, other processes). In an offloading mode the fillers leave the real requests'
-CPU pages free: a batch the pool cannot hold is a batch the server never runs either.
+(the CUDA context, other processes), against the card's memory. Under ``--gpu-memory-utilization``
+(:func:`cap_gpu_memory`: PyTorch's allocator refuses to reserve past a fraction of the card) the
+peak is PyTorch's reserved memory alone, against that cap, wherever the cap is the lower limit of
+the two. In an offloading mode the fillers leave the real requests' CPU pages free: a batch the
+pool cannot hold is a batch the server never runs either.
 """
 
 from __future__ import annotations
@@ -49,8 +52,11 @@ from herald.server.warmup import WARM_UP_PROMPT, WARM_UP_STEPS
 log = logging.getLogger(__name__)
 
 LOW_HEADROOM = 0.03
-"""A peak within this fraction of the card's memory is logged as a warning: fragmentation under
-load can take the rest."""
+"""A peak within this fraction of the card's memory (or of the cap) is logged as a warning:
+fragmentation under load can take the rest."""
+
+CAP_FLAG = "--gpu-memory-utilization"
+"""The ``herald serve`` flag that caps PyTorch's allocator at a fraction of the GPU's memory."""
 
 
 class PeakCheckFailed(ValueError):
@@ -81,26 +87,63 @@ class PeakRun:
 @dataclass(frozen=True)
 class PeakCheck:
     """The check's outcome: what ran, how long it took, and on CUDA the peak GPU memory and the
-    card's total (bytes; 0 on the CPU, where it is not measured)."""
+    card's total (bytes; 0 on the CPU, where it is not measured). ``capped``: the limit was
+    ``--gpu-memory-utilization``'s, ``total_bytes`` that cap and ``peak_bytes`` what PyTorch's
+    allocator reserved."""
 
     run: PeakRun
     seconds: float
     peak_bytes: int
     total_bytes: int
+    capped: bool = False
 
     @property
     def headroom(self) -> float:
-        """Fraction of the card's memory left at the peak (1.0 when not measured)."""
+        """Fraction of the card's memory (of the cap) left at the peak (1.0 when not
+        measured)."""
         return 1.0 if not self.total_bytes else 1.0 - self.peak_bytes / self.total_bytes
 
     def describe(self) -> str:
         text = f"{self.run.describe()}: {self.seconds:.1f} s"
         if self.total_bytes:
-            text += (
-                f", peak {self.peak_bytes / 2**30:.1f} of {self.total_bytes / 2**30:.1f} GiB of "
-                "GPU memory"
-            )
+            text += f", {_peak_of(self.peak_bytes, self.total_bytes, self.capped)}"
         return text
+
+
+def _peak_of(peak: int, total: int, capped: bool) -> str:
+    limit = f"allowed by {CAP_FLAG}" if capped else "of GPU memory"
+    return f"peak {peak / 2**30:.1f} of {total / 2**30:.1f} GiB {limit}"
+
+
+def check_memory_fraction(fraction: float | None, device: torch.device | str) -> None:
+    """ValueError naming ``--gpu-memory-utilization`` when ``fraction`` is outside (0, 1] (nan
+    included) or given for a device other than CUDA (None: no cap, always fine)."""
+    if fraction is None:
+        return
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{CAP_FLAG} must be in (0, 1], got {fraction:g}")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(
+            f"{CAP_FLAG} limits GPU memory only: it needs --device cuda, not --device {dev}"
+        )
+
+
+def cap_gpu_memory(fraction: float | None, device: torch.device | str) -> int | None:
+    """Cap what this process's PyTorch allocator may reserve on the CUDA ``device`` at
+    ``fraction`` of the card's total memory (``torch.cuda.set_per_process_memory_fraction``):
+    past it an allocation raises ``torch.OutOfMemoryError`` as on a full card. The cap holds for
+    the whole process and whatever allocates after it (weights, KV, CUDA graphs, activations);
+    the CUDA context and other processes are outside it. Returns the cap in bytes; None (no
+    cap, nothing changed) when ``fraction`` is None. ValueError as :func:`check_memory_fraction`.
+    """
+    check_memory_fraction(fraction, device)
+    if fraction is None:
+        return None
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(float(fraction), index)
+    return int(fraction * torch.cuda.mem_get_info(index)[1])
 
 
 @dataclass(frozen=True)
@@ -136,8 +179,9 @@ def plan_peak(
     return PeakPlan(max_batch_size - k, max(1, max_seq_len - new), new, k, real, steps)
 
 
-def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
-    """Run the engine's serving peak once (module docstring) and measure it.
+def check_peak(eng: Any, tokenizer: Any, limit_bytes: int | None = None) -> PeakCheck:
+    """Run the engine's serving peak once (module docstring) and measure it; ``limit_bytes``:
+    the cap :func:`cap_gpu_memory` set (None: none).
 
     Raises:
         PeakCheckFailed: it ran out of GPU memory; the engine is left empty and usable.
@@ -147,13 +191,7 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
     fillers = _fillers_the_pool_holds(eng, plan)
     seed = tokenizer.encode(WARM_UP_PROMPT) or [0]
     tokens = (seed * (eng.max_seq_len // len(seed) + 1))[: eng.max_seq_len]
-    total = others = 0
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        others = total - free - torch.cuda.memory_reserved(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+    others, total, capped = _memory_limit(dev, limit_bytes) if cuda else (0, 0, False)
     t0 = time.perf_counter()
     reqs: list[Request] = []
     real: list[Request] = []
@@ -193,7 +231,7 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
         eng.stats = EngineStats()
         fillers_ran = len(reqs) - len(real)
         raise PeakCheckFailed(
-            _failure(eng, plan, fillers_ran, bool(real), peak, total, e)
+            _failure(eng, plan, fillers_ran, bool(real), peak, total, e, capped=capped)
         ) from None
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_reserved(dev) + others if cuda else 0
@@ -201,7 +239,22 @@ def check_peak(eng: Any, tokenizer: Any) -> PeakCheck:
     prompts = [len(r.prompt_ids) for r in real]
     ran = max([*prompts, *(len(r.prompt_ids) for r in reqs if r.output_ids)], default=-b) + b
     run = PeakRun(rows, ran if rows else 0, sum(prompts) if rows else 0, beside)
-    return PeakCheck(run, seconds, peak, total)
+    return PeakCheck(run, seconds, peak, total, capped)
+
+
+def _memory_limit(dev: torch.device, limit_bytes: int | None) -> tuple[int, int, bool]:
+    """Before the run: (the memory PyTorch did not reserve, the limit, capped?), and the peak
+    statistics reset. The limit is the card's total (PyTorch's reserved memory plus the rest
+    reaches it) or, where it is lower, the allocator's cap ``limit_bytes`` (its reserved memory
+    alone reaches that: the rest then counts as 0)."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    others = total - free - torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    if limit_bytes is not None and limit_bytes < total - others:
+        return 0, limit_bytes, True
+    return others, total, False
 
 
 def _step_rows(eng: Any) -> int:
@@ -262,8 +315,11 @@ def _failure(
     peak: int,
     total: int,
     e: Exception,
+    *,
+    capped: bool = False,
 ) -> str:
-    """The refusal: what ran when memory ran out, and the flags that lower it."""
+    """The refusal: what ran when memory ran out, and the flags that lower it (and under a cap
+    below the card's memory, the flag that raises the cap)."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     why = ". ".join(first.split(". ")[:2])
     seq = f"--max-batch-size {eng.max_batch_size}, --max-seq-len {eng.max_seq_len}"
@@ -278,5 +334,7 @@ def _failure(
             f"{eng.max_seq_len:,} tokens decoding ({seq})"
         )
         flags = "lower --max-batch-size, --max-seq-len or --max-prefill-tokens"
-    held = f" (peak {peak / 2**30:.1f} of {total / 2**30:.1f} GiB)" if total else ""
+    if capped:
+        flags += f", or raise {CAP_FLAG}"
+    held = f" ({_peak_of(peak, total, capped)})" if total else ""
     return f"out of GPU memory at the start-up memory check, with {what}{held}: {flags} ({why})"

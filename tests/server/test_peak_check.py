@@ -6,6 +6,7 @@ memory is not measured there)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,10 +18,14 @@ from herald.models.registry import build_model, get_preset
 from herald.models.tokenizer import byte_level_tokenizer
 from herald.server.defaults import SERVE_DEFAULTS
 from herald.server.peak import (
+    LOW_HEADROOM,
     PeakCheck,
     PeakCheckFailed,
     PeakPlan,
     PeakRun,
+    _failure,
+    cap_gpu_memory,
+    check_memory_fraction,
     check_peak,
     is_out_of_memory,
     plan_peak,
@@ -60,6 +65,123 @@ def test_describe() -> None:
     cpu = PeakCheck(run, 0.2, 0, 0)
     assert cpu.describe().endswith(": 0.2 s") and cpu.headroom == 1.0
     assert PeakRun(0, 0, 0, 0).describe().startswith("no request could run")
+
+
+def test_describe_and_headroom_under_a_cap() -> None:
+    """Under --gpu-memory-utilization the peak is PyTorch's reserved memory against the cap:
+    the line says whose limit it is, the headroom is the cap's."""
+    run = PeakRun(64, 16384, 16352, 63)
+    capped = PeakCheck(run, 9.84, int(60.1 * 2**30), int(74.5 * 2**30), capped=True)
+    assert capped.describe().endswith(
+        ": 9.8 s, peak 60.1 of 74.5 GiB allowed by --gpu-memory-utilization"
+    )
+    assert capped.headroom == pytest.approx(1 - 60.1 / 74.5)
+    near = PeakCheck(run, 1.0, int(73.0 * 2**30), int(74.5 * 2**30), capped=True)
+    assert near.headroom < LOW_HEADROOM  # the warning's test: near the cap, not the card
+    assert "GPU memory" not in capped.describe()
+
+
+def _cuda_memory(monkeypatch: pytest.MonkeyPatch, free: float, total: float, reserved: float):
+    """torch.cuda's memory readings stood in for (GiB); the calls that reset statistics
+    recorded."""
+    calls: list[str] = []
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda dev=None: calls.append("synchronize"))
+    monkeypatch.setattr(cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda dev=None: calls.append("reset"))
+    monkeypatch.setattr(cuda, "mem_get_info", lambda dev=None: (int(free * 2**30),
+                                                                int(total * 2**30)))  # fmt: skip
+    monkeypatch.setattr(cuda, "memory_reserved", lambda dev=None: int(reserved * 2**30))
+    return calls
+
+
+def test_the_limit_is_the_cap_where_it_is_below_what_the_card_leaves(monkeypatch) -> None:
+    """80 GiB card, 70 free, 8 reserved by PyTorch: 2 GiB are the context's and others'. A cap
+    below the 78 GiB those leave PyTorch is the limit, on reserved memory alone; a cap above it
+    (or none) leaves the card the limit, on reserved memory plus the rest."""
+    from herald.server.peak import _memory_limit
+
+    calls = _cuda_memory(monkeypatch, free=70, total=80, reserved=8)
+    dev = torch.device("cuda:0")
+    assert _memory_limit(dev, 40 * 2**30) == (0, 40 * 2**30, True)
+    assert "reset" in calls  # the peak is measured from here
+    card = (2 * 2**30, 80 * 2**30, False)
+    assert _memory_limit(dev, None) == card
+    assert _memory_limit(dev, 79 * 2**30) == card
+    assert _memory_limit(dev, 80 * 2**30) == card
+
+
+def test_a_refusal_under_a_cap_names_the_flag_that_raises_it() -> None:
+    eng = SimpleNamespace(max_batch_size=4, max_seq_len=512, max_prefill_tokens=256)
+    plan = plan_peak(4, 32, 512, 256)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. More")
+    peak, cap = int(39.5 * 2**30), 40 * 2**30
+    for prefilling in (False, True):
+        msg = _failure(eng, plan, 3, prefilling, peak, cap, oom, capped=True)
+        assert "(peak 39.5 of 40.0 GiB allowed by --gpu-memory-utilization)" in msg, msg
+        assert ", or raise --gpu-memory-utilization (CUDA out of memory." in msg, msg
+    card = _failure(eng, plan, 3, True, peak, 80 * 2**30, oom)
+    assert "--gpu-memory-utilization" not in card
+    assert "(peak 39.5 of 80.0 GiB of GPU memory)" in card, card
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, 1.5, float("nan"), float("inf")])
+def test_a_fraction_outside_zero_to_one_is_refused(value: float) -> None:
+    want = f"--gpu-memory-utilization must be in (0, 1], got {value:g}"
+    with pytest.raises(ValueError) as e:
+        check_memory_fraction(value, "cuda")
+    assert str(e.value) == want
+
+
+def test_the_cap_is_set_on_the_device_and_returned_in_bytes(monkeypatch) -> None:
+    """On CUDA, the allocator's fraction on the device's index (the current device for a bare
+    ``cuda``), the cap in bytes of the card's total; on the CPU a refusal; None: untouched."""
+    set_to: list[tuple[float, int]] = []
+    total = 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, dev=None: set_to.append((f, dev)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (total // 2, total))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert cap_gpu_memory(0.5, "cuda:0") == total // 2
+    assert cap_gpu_memory(1, torch.device("cuda")) == total
+    assert set_to == [(0.5, 0), (1.0, 1)] and isinstance(set_to[1][0], float)
+    assert cap_gpu_memory(None, "cuda") is None
+    with pytest.raises(ValueError, match="--gpu-memory-utilization limits GPU memory only"):
+        cap_gpu_memory(0.5, "cpu")
+    with pytest.raises(ValueError, match="must be in"):
+        cap_gpu_memory(2.0, "cuda")
+    assert len(set_to) == 2
+
+
+def test_the_server_caps_before_the_model_loads_and_checks_against_the_cap(monkeypatch) -> None:
+    from herald.server import launch
+
+    order: list[str] = []
+    limits: list[int | None] = []
+    real_load = launch.load_model
+
+    def cap(fraction, device):
+        order.append(f"cap {fraction} on {device}")
+        return 12345
+
+    def load(*args, **kwargs):
+        order.append("load")
+        return real_load(*args, **kwargs)
+
+    def check(eng, tokenizer, limit_bytes=None):
+        limits.append(limit_bytes)
+        return PeakCheck(PeakRun(0, 0, 0, 0), 0.0, 0, 0)
+
+    monkeypatch.setattr(launch, "cap_gpu_memory", cap)
+    monkeypatch.setattr(launch, "load_model", load)
+    monkeypatch.setattr(launch, "check_peak", check)
+    cfg = SERVE_DEFAULTS.replace(max_batch_size=2, max_seq_len=256)
+    launch.build_app("tiny-sdar", cfg, warm_up=False, check_memory=True, gpu_memory_utilization=0.5)
+    assert order == ["cap 0.5 on cpu", "load"] and limits == [12345]
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match="--gpu-memory-utilization limits GPU memory only"):
+        launch.build_app("tiny-sdar", cfg, gpu_memory_utilization=0.5)
 
 
 def _engine(mode: str, *, cpu_kv_tokens: int | None = None, max_seq_len: int = 512):
@@ -228,7 +350,7 @@ def test_the_server_runs_it_when_asked_and_refuses_to_start_when_it_fails(monkey
     assert "memory check 2 request(s)" in launch.banner(app, "http://x")
     assert launch.build_app("tiny-sdar", cfg, warm_up=False).state.herald_peak is None  # CPU
 
-    def fail(eng, tokenizer):
+    def fail(eng, tokenizer, limit_bytes=None):
         raise PeakCheckFailed("out of GPU memory at the start-up memory check: ...")
 
     monkeypatch.setattr(launch, "check_peak", fail)
@@ -262,3 +384,30 @@ def test_on_cuda_the_peak_is_measured_and_changes_no_reply(mode: str) -> None:
         finally:
             eng.close()
     assert replies[0] == replies[1]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_check_runs_under_the_cap_and_one_too_low_is_named() -> None:
+    """Under a cap the peak is PyTorch's reserved memory against it; a cap at what the engine
+    already holds runs out at the check, and the refusal names the flag. The cap holds for the
+    whole process: lifted at the end."""
+    config = get_preset("tiny-llada2")
+    cfg = SERVE_DEFAULTS.replace(max_batch_size=4, max_seq_len=256, max_prefill_tokens=128)
+    eng = build_engine(
+        build_model(config, device="cuda", dtype=torch.bfloat16, seed=1), config, cfg
+    )
+    tokenizer = byte_level_tokenizer(config)
+    try:
+        cap = cap_gpu_memory(0.5, "cuda")
+        assert cap is not None
+        check = check_peak(eng, tokenizer, limit_bytes=cap)
+        assert check.capped and check.total_bytes == cap and 0 < check.peak_bytes < cap
+        assert "allowed by --gpu-memory-utilization" in check.describe()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved() / torch.cuda.mem_get_info()[1]
+        with pytest.raises(PeakCheckFailed, match="or raise --gpu-memory-utilization"):
+            check_peak(eng, tokenizer, limit_bytes=cap_gpu_memory(held, "cuda"))
+        _empty(eng)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        eng.close()
