@@ -208,22 +208,30 @@ def check_weights_memory(
     dtype: torch.dtype,
     kv_gib: float = 0.0,
     kv_what: str = "KV",
+    gpu_memory_utilization: float | None = None,
 ) -> float:
     """ValueError, before the model loads, when its weights (plus ``kv_gib`` of KV that goes to
     the same memory) cannot fit where they go: this machine's available memory on the CPU, the
-    GPU's free memory on CUDA. Returns the weights' GiB (for the loading line). Where the free
-    memory cannot be read, nothing is checked."""
+    GPU's free memory on CUDA, or less where ``gpu_memory_utilization`` (``herald serve
+    --gpu-memory-utilization``: PyTorch's allocator may reserve that fraction of the card's
+    total) caps it lower. Returns the weights' GiB (for the loading line). Where the free memory
+    cannot be read, nothing is checked."""
     from herald import cliargs  # read at call time (tests stand in for the machine's memory)
 
     need = weights_gib(config, dtype)
     name = str(dtype).removeprefix("torch.")
+    capped = False
     if device.type == "cpu":
         mem = cliargs.memory_gib()
         where = "this machine's available memory"
     elif device.type == "cuda" and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info(device)
-        mem = (free / 2**30, total / 2**30)
+        cap = total if gpu_memory_utilization is None else gpu_memory_utilization * total
+        capped = cap < free
+        mem = (min(free, cap) / 2**30, total / 2**30)
         where = f"{device}'s free memory"
+        if capped:
+            where = f"what --gpu-memory-utilization {gpu_memory_utilization:g} allows on {device}"
     else:
         mem = None
     if mem is not None and need + kv_gib > mem[0]:
@@ -231,9 +239,10 @@ def check_weights_memory(
         fix = "a smaller model, a GPU" if device.type == "cpu" else "a smaller model"
         if kv_gib:
             fix += ", fewer --max-batch-size x --max-seq-len tokens"
+        fix += ", or a higher --gpu-memory-utilization" if capped else ", or free memory"
         raise ValueError(
             f"the weights of {model} need {_gib(need)} in {name}{kv}, more than {where} "
-            f"({mem[0]:,.1f} GiB of {mem[1]:,.1f} GiB): use {fix}, or free memory"
+            f"({mem[0]:,.1f} GiB of {mem[1]:,.1f} GiB): use {fix}"
         )
     return need
 

@@ -131,6 +131,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         default=D.max_prefill_tokens,
         help=engine_help("max_prefill_tokens").split(" None:")[0] + " (default: %(default)s)",
     )
+    s.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the fraction of the GPU's memory, in (0, 1], that this server's PyTorch allocator "
+        "may reserve (the weights, KV slots, CUDA graphs and activations; not the CUDA context), "
+        "applied before the model loads, so the start-up memory check runs under it (default: "
+        "the whole card)",
+    )
     add_first_pass(s)
     add_kv_pad(s)
     _add_front_args(s)
@@ -304,6 +314,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from herald.models.loader import is_preset
     from herald.server.defaults import SERVE_DEFAULTS
     from herald.server.launch import build_app, reserve_port, serve
+    from herald.server.peak import check_memory_fraction
 
     device = resolve_device(args.device)
     if not 0 <= args.port < 65536:
@@ -323,6 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in flags.items():
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    check_memory_fraction(args.gpu_memory_utilization, device)
     if args.api_key is not None and not args.api_key.strip():
         # an unset variable in `--api-key "$KEY"` must not open the server
         raise ValueError(
@@ -344,7 +356,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_gib = _check_kv_memory(args, cfg, device, offload, dtype)
         what = "KV (with --first-pass int8-gpu's int8 copy of K)"
         int8 = offload is not None and offload.first_pass == "int8-gpu"
-        gib = check_weights_memory(args.model, cfg, device, dtype, kv_gib, what if int8 else "KV")
+        gib = check_weights_memory(
+            args.model, cfg, device, dtype, kv_gib, what if int8 else "KV",
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )  # fmt: skip
     engine = SERVE_DEFAULTS.replace(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
@@ -362,6 +377,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
                 seed=args.seed, served_model_name=args.served_model_name, limits=limits,
                 warm_up=not args.no_warmup, denoise=denoise,
+                gpu_memory_utilization=args.gpu_memory_utilization,
             )  # fmt: skip
         except ValueError as e:
             raise pool_error(args, e) from None

@@ -342,3 +342,83 @@ def test_the_app_keeps_its_denoising_defaults_and_names_them_when_ready():
     assert ", by default 3 denoising steps per block;" in banner(app, "http://127.0.0.1:1")
     with pytest.raises(ValueError, match="threshold must be in"):
         build_app("no-such-model", engine, denoise=DenoiseDefaults(threshold=2.0))
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "nan", "inf"])
+def test_gpu_memory_utilization_out_of_range_is_refused_before_the_model_loads(
+    value, monkeypatch, capsys
+):
+    _no_model(monkeypatch)
+    assert main(["serve", "--device", "cpu", "--gpu-memory-utilization", value]) == 2
+    want = f"--gpu-memory-utilization must be in (0, 1], got {float(value):g}"
+    assert user_error(capsys.readouterr().err) == want
+
+
+def test_gpu_memory_utilization_is_refused_on_the_cpu(monkeypatch, capsys):
+    _no_model(monkeypatch)
+    assert main(["serve", "--device", "cpu", "--gpu-memory-utilization", "0.5"]) == 2
+    msg = user_error(capsys.readouterr().err)
+    assert "--gpu-memory-utilization limits GPU memory only" in msg and "--device cpu" in msg
+
+
+def _stand_in_gpu(monkeypatch, free_gib: float, total_gib: float) -> None:
+    """A CUDA device 0 whose memory reads ``free_gib`` free of ``total_gib``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda dev=None: (int(free_gib * 2**30), int(total_gib * 2**30))
+    )
+
+
+def test_the_weights_check_counts_the_cap_where_it_is_below_the_free_memory(monkeypatch):
+    """On CUDA the weights and KV must fit in the free memory or, where lower, the cap; the
+    refusal names whichever was short."""
+    from herald.cli.common import check_weights_memory
+    from herald.models.loader import load_config
+
+    cfg = load_config("code-sdar")  # 56.3 MiB of float32 weights, 30 GiB of KV beside them
+    cuda = torch.device("cuda:0")
+
+    def check(fraction: float | None) -> float:
+        return check_weights_memory(
+            "code-sdar", cfg, cuda, torch.float32, 30.0, gpu_memory_utilization=fraction
+        )
+
+    _stand_in_gpu(monkeypatch, free_gib=70.0, total_gib=80.0)
+    assert check(None) == check(0.5) == pytest.approx(56.3 / 1024, abs=1e-3)
+    with pytest.raises(ValueError) as e:
+        check(0.35)  # 28 GiB allowed
+    msg = str(e.value)
+    assert "more than what --gpu-memory-utilization 0.35 allows on cuda:0 (28.0 GiB of 80.0" in msg
+    assert msg.endswith("or a higher --gpu-memory-utilization") and "free memory" not in msg
+    _stand_in_gpu(monkeypatch, free_gib=20.0, total_gib=80.0)  # the free memory is lower
+    for fraction in (None, 0.5):
+        with pytest.raises(ValueError, match=r"more than cuda:0's free memory \(20.0 GiB of 80"):
+            check(fraction)
+
+
+def test_serve_passes_gpu_memory_utilization_to_the_checks_and_the_app(monkeypatch, capsys):
+    """On a (stand-in) GPU the flag reaches the pre-load weights check and ``build_app``."""
+    from herald.server import launch
+
+    built: dict[str, object] = {}
+
+    def build_app(*args, **kwargs):
+        built.update(kwargs)
+        return object()
+
+    monkeypatch.setattr(launch, "build_app", build_app)
+    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: None)
+    _stand_in_gpu(monkeypatch, free_gib=70.0, total_gib=80.0)
+    argv = ["serve", "--model", "tiny-sdar", "--device", "cuda", "--port", "0"]
+    assert main([*argv, "--gpu-memory-utilization", "0.5"]) == 0
+    assert built["gpu_memory_utilization"] == 0.5 and built["device"] == torch.device("cuda")
+    built.clear()
+    assert main(argv) == 0
+    assert built["gpu_memory_utilization"] is None
+    # a cap of 80 KiB holds none of the weights: refused before the model loads
+    built.clear()
+    assert main([*argv, "--gpu-memory-utilization", "1e-6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "more than what --gpu-memory-utilization 1e-06 allows on cuda" in err[-1]
+    assert not built
