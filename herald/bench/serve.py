@@ -75,7 +75,7 @@ from herald.env import settings
 
 _POOL_FLAGS = ("kv_budget", "cpu_kv_gb", "cpu_kv_tokens")
 _SERVER_FLAGS = ("mode", "device", "dtype", *_POOL_FLAGS, "max_batch_size", "max_seq_len",
-                 "max_prefill_tokens", "server")  # fmt: skip
+                 "max_prefill_tokens", "gpu_memory_utilization", "server")  # fmt: skip
 """Flags of the server this benchmark starts (refused with ``--url``)."""
 
 
@@ -130,6 +130,14 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         type=token_count,
         default=None,
         help="prompt tokens prefilled per block boundary (default: herald serve's)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="herald serve's cap on the fraction of the GPU's memory its PyTorch allocator may "
+        "reserve, in (0, 1] (default: none, the whole card)",
     )
     p.add_argument("--seed", type=int, default=0, help="a preset's weights; the prompts' order")
 
@@ -322,8 +330,11 @@ def check_args(args: argparse.Namespace) -> Plan:
             args, torch.device("cpu"), None, "?", None, None, config.max_position_embeddings
         )
     else:
+        from herald.server.peak import check_memory_fraction
+
         mode = args.mode or "dense"
         device = resolve_device(args.device)
+        check_memory_fraction(args.gpu_memory_utilization, device)
         dtype = resolve_dtype(mode, args.dtype, device)
         offload, engine, context = _server_config(args, mode, config)
         plan = Plan(args, device, dtype, mode, offload, engine, context)

@@ -79,9 +79,11 @@ class InProcessServer:
         assert plan.engine is not None
         self.sock = reserve_port("127.0.0.1", 0)  # as herald serve: a port nobody holds
         a = plan.args
+        self.device, self.cap = plan.device, a.gpu_memory_utilization
         try:
             self.app: Any = build_app(a.model, plan.engine, device=plan.device,
-                                      dtype=plan.dtype, seed=a.seed)  # fmt: skip
+                                      dtype=plan.dtype, seed=a.seed,
+                                      gpu_memory_utilization=a.gpu_memory_utilization)  # fmt: skip
         except BaseException:
             self.sock.close()
             raise
@@ -111,7 +113,7 @@ class InProcessServer:
         return {"max_batch_size": e.max_batch_size, "max_seq_len": e.max_seq_len,
                 "max_prefill_tokens": e.max_prefill_tokens, "max_waiting": e.scheduler.max_waiting,
                 "block_size": e.config.block_size, "kv_pad": e.engine_config.kv_pad,
-                "process": "thread"}  # fmt: skip
+                "gpu_memory_utilization": self.cap, "process": "thread"}  # fmt: skip
 
     def stop(self) -> tuple[Any, Any]:
         """Stop the server (its engine closed); the served model and its config."""
@@ -124,6 +126,10 @@ class InProcessServer:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if self.cap is not None:  # the cap holds for the whole process: lifted with the server
+            from herald.server.peak import cap_gpu_memory
+
+            cap_gpu_memory(1.0, self.device)
         return net, config
 
 
@@ -148,6 +154,8 @@ def serve_command(plan: Plan) -> list[str]:
            "--max-seq-len", str(e.max_seq_len), "--max-waiting", str(e.max_waiting),
            "--max-prefill-tokens", str(e.max_prefill_tokens),
            "--kv-pad", str(e.kv_pad), "--keep-alive-timeout-s", str(KEEP_ALIVE_S)]  # fmt: skip
+    if a.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", repr(a.gpu_memory_utilization)]
     if plan.dtype is not None:
         cmd += ["--dtype", _DTYPE_FLAGS[plan.dtype]]
     if plan.offload is not None:
@@ -210,6 +218,7 @@ class ChildServer:
         return {"max_batch_size": e.max_batch_size, "max_seq_len": e.max_seq_len,
                 "max_prefill_tokens": e.max_prefill_tokens, "max_waiting": e.max_waiting,
                 "block_size": self.plan.block_size, "kv_pad": e.kv_pad,
+                "gpu_memory_utilization": self.plan.args.gpu_memory_utilization,
                 "process": "child"}  # fmt: skip
 
     def stop(self) -> None:

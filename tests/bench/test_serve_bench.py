@@ -338,6 +338,18 @@ def test_the_notes_say_why_the_throughput_columns_are_empty(extra: dict, why: st
         (["--steps", "-1"], "--steps must be >= 0, got -1"),
         (["--warmup-requests", "-2"], "--warmup-requests must be >= 0, got -2"),
         (["--throughput-point", "--steps", "0"], "--throughput-point needs --steps"),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization must be in (0, 1], got 1.5",
+        ),
+        (
+            ["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+            "--gpu-memory-utilization limits GPU memory only: it needs --device cuda",
+        ),
+        (
+            ["--url", "http://127.0.0.1:9", "--gpu-memory-utilization", "0.5"],
+            "--gpu-memory-utilization does not apply with --url",
+        ),
     ],
 )
 def test_bad_inputs_are_refused_before_anything_starts(
@@ -412,6 +424,10 @@ def test_the_child_server_command_is_herald_serve_with_the_engine_settings(tmp_p
     assert (got.max_batch_size, got.max_seq_len, got.max_prefill_tokens, got.port) == (
         e.max_batch_size, e.max_seq_len, 512, 0)  # fmt: skip
     assert (got.max_waiting, got.kv_pad, got.seed) == (e.max_waiting, e.kv_pad, 0)
+    assert got.gpu_memory_utilization is None  # not given: herald serve's default
+    plan.args.gpu_memory_utilization = 0.85  # (a GPU's; refused on this CPU by check_args)
+    got = cli_parser().parse_args(serve_run.serve_command(plan)[3:])
+    assert got.gpu_memory_utilization == 0.85
     # idle connections outlive the openai client's 5 s pool expiry (no close-vs-reuse race)
     assert got.keep_alive_timeout_s == serve_run.KEEP_ALIVE_S > 5.0
 
