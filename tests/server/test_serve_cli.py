@@ -312,13 +312,10 @@ def test_denoising_defaults_are_checked_before_the_model_loads(flags, needle, mo
     assert needle in user_error(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize(
-    "flags, threshold, steps",
-    [([], 0.95, None), (["--steps", "3"], 0.95, 3), (["--threshold", "0.8"], 0.8, None)],
-)
-def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps, monkeypatch):
+def _capture_build_app(monkeypatch) -> dict[str, object]:
+    """``herald serve``'s ``build_app`` and ``serve`` stood in for: the keywords ``build_app``
+    was given land in the returned dict."""
     from herald.server import launch
-    from herald.server.defaults import DenoiseDefaults
 
     built: dict[str, object] = {}
 
@@ -328,6 +325,17 @@ def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps,
 
     monkeypatch.setattr(launch, "build_app", build_app)
     monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: None)
+    return built
+
+
+@pytest.mark.parametrize(
+    "flags, threshold, steps",
+    [([], 0.95, None), (["--steps", "3"], 0.95, 3), (["--threshold", "0.8"], 0.8, None)],
+)
+def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps, monkeypatch):
+    from herald.server.defaults import DenoiseDefaults
+
+    built = _capture_build_app(monkeypatch)
     assert main(["serve", "--model", "tiny-sdar", "--device", "cpu", "--port", "0", *flags]) == 0
     assert built["denoise"] == DenoiseDefaults(threshold=threshold, steps=steps)
 
@@ -399,16 +407,7 @@ def test_the_weights_check_counts_the_cap_where_it_is_below_the_free_memory(monk
 
 def test_serve_passes_gpu_memory_utilization_to_the_checks_and_the_app(monkeypatch, capsys):
     """On a (stand-in) GPU the flag reaches the pre-load weights check and ``build_app``."""
-    from herald.server import launch
-
-    built: dict[str, object] = {}
-
-    def build_app(*args, **kwargs):
-        built.update(kwargs)
-        return object()
-
-    monkeypatch.setattr(launch, "build_app", build_app)
-    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: None)
+    built = _capture_build_app(monkeypatch)
     _stand_in_gpu(monkeypatch, free_gib=70.0, total_gib=80.0)
     argv = ["serve", "--model", "tiny-sdar", "--device", "cuda", "--port", "0"]
     assert main([*argv, "--gpu-memory-utilization", "0.5"]) == 0
