@@ -180,6 +180,7 @@ def test_settings_are_checked_before_the_model_loads(flags, monkeypatch, capsys)
     [
         ("HERALD_PREFILL_ATTENTION", "expected one of auto, triton, sdpa"),
         ("HERALD_COMPILE", "expected 1/true/yes/on or 0/false/no/off"),
+        ("HERALD_CPU_MATMUL", "expected one of auto, native, fp32"),
     ],
 )
 def test_a_bad_herald_switch_is_refused_in_every_mode(switch, allowed, mode, monkeypatch, capsys):
