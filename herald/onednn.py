@@ -24,6 +24,10 @@ Both capacities are read once, at the process's first oneDNN call, and cannot be
 from Python: :func:`bound_primitive_caches` runs when ``herald`` is imported (before it can
 build a model); a program that runs CPU bf16 matmuls before importing herald keeps the defaults.
 A capacity set in the environment is kept.
+
+On a CPU without bf16 matmul instructions the model's projections run in float32 by default
+(:mod:`herald.layers.linear`, MKL, no per-shape cache), so these caches matter where the CPU has
+them or under ``HERALD_CPU_MATMUL=native``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from herald.layers.fusion import cuda_compiled
+from herald.layers.linear import Linear
 
 
 class SwiGLUMLP(nn.Module):
@@ -27,10 +28,10 @@ class SwiGLUMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             intermediate_size, hidden_size, bias=False, dtype=dtype, device=device
         )
 

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from herald.layers.fusion import cuda_compiled
+from herald.layers.linear import linear
 from herald.layers.mlp import SwiGLUMLP, swiglu
 from herald.layers.moe_triton import experts_fused, fused_available
 from herald.layers.router_triton import fused_router_available, route_fused
@@ -93,8 +94,8 @@ def route_tokens(
 
 def expert_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """One expert: [n, H] -> [n, H] with ``w_gate_up`` [2I, H] and ``w_down`` [H, I]."""
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
+    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w_down)
 
 
 def experts_reference(

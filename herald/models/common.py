@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from herald.layers.linear import Linear
 from herald.layers.rmsnorm import RMSNorm
 from herald.layers.rotary import RotaryEmbedding
 from herald.models.base import BlockDiffusionLM, DecoderLayer
@@ -59,10 +60,10 @@ class QKNormDecoderLayer(DecoderLayer):
         q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
         self.split_sizes = (q_size, kv_size, kv_size)
         self.input_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
-        self.qkv_proj = nn.Linear(h, q_size + 2 * kv_size, bias=False, dtype=dtype, device=device)
+        self.qkv_proj = Linear(h, q_size + 2 * kv_size, bias=False, dtype=dtype, device=device)
         self.q_norm = RMSNorm(hd, eps, dtype=dtype, device=device)
         self.k_norm = RMSNorm(hd, eps, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, h, bias=False, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, device=device)
         self.mlp = mlp
         self.rotary = rotary  # shared by all layers (registered once per layer; buffers dedup)
@@ -117,7 +118,7 @@ class DecoderLM(BlockDiffusionLM):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
-        self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(h, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.tie_weights()
 
     def make_mlp(self, layer_id: int, *, dtype: torch.dtype | None, device: Device) -> nn.Module:

@@ -8,6 +8,7 @@ from helpers import make_engine
 
 from herald.config import OffloadConfig, SamplingParams
 from herald.engine.hooks import EngineHooks, FaultInjection, SelectionRecorder, SyntheticPrefill
+from herald.layers.linear import Linear, linear
 from herald.models.registry import build_model, get_preset
 from herald.offload.selection.ref import select_topk_torch
 
@@ -435,14 +436,15 @@ def test_kv_pad_budget_one_equals_dense_with_kv_pad(setup):
 
 
 def _row_variant_matmul(model, rows: int) -> tuple[int, int] | None:
-    """The first weight shape [out, in] for which this CPU's bf16 matmul gives a row other bits
-    in a ``rows``-row product than in a ``2 * rows``-row one (the fused draft step runs 2B rows
-    through every projection), else None. Seen on an AVX512-BF16 Xeon for [384, 832]."""
+    """The first weight shape [out, in] for which the model's bf16 projection on this CPU
+    (herald's :func:`~herald.layers.linear.linear`) gives a row other bits in a ``rows``-row
+    product than in a ``2 * rows``-row one (the fused draft step runs 2B rows through every
+    projection), else None. Seen on an AVX512-BF16 Xeon for [384, 832]."""
     gen = torch.Generator().manual_seed(0)
     for shape in sorted({tuple(p.shape) for p in model.parameters() if p.dim() == 2}):
         w = torch.randn(shape, generator=gen).to(torch.bfloat16)
         x = torch.randn(2 * rows, shape[1], generator=gen).to(torch.bfloat16)
-        if not torch.equal(x[:rows] @ w.T, (x @ w.T)[:rows]):
+        if not torch.equal(linear(x[:rows], w), linear(x, w)[:rows]):
             return shape
     return None
 
@@ -478,9 +480,10 @@ def test_budget_one_equals_dense_at_fixed_steps_with_the_trained_model():
 
 
 def _rowwise_linear(self, x):
-    """nn.Linear.forward one row at a time: every row gets the bits of a 1-row product."""
+    """The model's ``Linear.forward`` one row at a time: every row gets the bits of a 1-row
+    product."""
     flat = x.reshape(-1, x.shape[-1])
-    rows = [torch.nn.functional.linear(flat[i : i + 1], self.weight, self.bias)
+    rows = [linear(flat[i : i + 1], self.weight, self.bias)
             for i in range(flat.shape[0])]  # fmt: skip
     return torch.cat(rows).reshape(*x.shape[:-1], -1)
 
@@ -495,7 +498,7 @@ def test_budget_one_equals_dense_with_the_draft_step_on_the_trained_model(monkey
     (That kv_pad regression itself showed on the device; the GPU tests guard it.)"""
     model, config, ids, params, _ = _trained_model_setup()
     if _row_variant_matmul(model, config.block_size) is not None:
-        monkeypatch.setattr(torch.nn.Linear, "forward", _rowwise_linear)
+        monkeypatch.setattr(Linear, "forward", _rowwise_linear)
     dense = make_engine(model, config, None, max_batch_size=1, max_seq_len=512)
     ref = dense.generate([ids], params)[0].output_ids
     assert _offload_output(model, config, "herald", ids, params) == ref
@@ -512,7 +515,7 @@ def test_budget_one_equals_dense_on_a_long_prompt_of_the_trained_model(monkeypat
 
     model, config, tok = load_model("code-sdar", "cpu", torch.bfloat16)
     if _row_variant_matmul(model, config.block_size) is not None:
-        monkeypatch.setattr(torch.nn.Linear, "forward", _rowwise_linear)
+        monkeypatch.setattr(Linear, "forward", _rowwise_linear)
     with open(textwrap.__file__, encoding="utf-8") as f:
         ids = tok.encode(f.read()[6000:9000])
     params = SamplingParams(max_new_tokens=40)

@@ -10,6 +10,7 @@ from torch import nn
 from herald.env import overridden, parse
 from herald.layers import linear as linear_mod
 from herald.layers.linear import Linear, cpuinfo_has_native_bf16, linear, upcasts
+from herald.models.registry import build_model, get_preset
 
 _CPUINFO = """processor\t: 0
 vendor_id\t: {vendor}
@@ -165,3 +166,11 @@ def test_linear_module_forward_is_herald_linear(monkeypatch) -> None:
     x = _operands(torch.bfloat16)[0]
     with torch.no_grad(), overridden({"HERALD_CPU_MATMUL": "auto"}):
         assert torch.equal(mod(x), linear(x, mod.weight, mod.bias))
+
+
+@pytest.mark.parametrize("preset", ["tiny-sdar", "tiny-llada2"])
+def test_every_model_projection_is_herald_linear(preset: str) -> None:
+    """The models build their weight matmuls from :class:`Linear` (none is a plain nn.Linear)."""
+    model = build_model(get_preset(preset), dtype=torch.bfloat16, device="meta")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is Linear for m in linears)
