@@ -78,6 +78,10 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+_TWO_NAMES = (("max_tokens", "max_completion_tokens"), ("budget", "kv_budget"))
+"""Fields a request may name either way: (name, alias)."""
+
+
 class _Common(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -112,15 +116,16 @@ class _Common(_Body):
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" in data:
-            # the two names of one field: equal values are one request, different ones a 400;
-            # a null one is not given
-            given = data["max_tokens"], data["max_completion_tokens"]
-            if None not in given and given[0] != given[1]:
-                raise refuse("max_completion_tokens", "max_tokens and max_completion_tokens "
-                             "name one limit and differ here: give one of them")  # fmt: skip
-            drop = "max_completion_tokens" if given[1] is None else "max_tokens"
-            data = {k: v for k, v in data.items() if k != drop}
+        for name, alias in _TWO_NAMES:
+            if isinstance(data, dict) and name in data and alias in data:
+                # the two names of one field: equal values are one request, different ones a
+                # 400; a null one is not given
+                given = data[name], data[alias]
+                if None not in given and given[0] != given[1]:
+                    raise refuse(alias, f"{name} and {alias} name one field and differ here: "
+                                 "give one of them")  # fmt: skip
+                drop = alias if given[1] is None else name
+                data = {k: v for k, v in data.items() if k != drop}
         return fields.check(data, cls.IGNORED, cls.NEUTRAL)
 
     @model_validator(mode="after")

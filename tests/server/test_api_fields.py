@@ -480,6 +480,20 @@ def test_max_tokens_and_max_completion_tokens_together(client: httpx.Client) -> 
     assert "differ" in r.json()["error"]["message"]
 
 
+def test_budget_and_kv_budget_together(client: httpx.Client) -> None:
+    """The two names of the budget field: equal values are one request, different ones a 400
+    naming the alias."""
+    budget = client.get("/v1/models").json()["data"][0]["herald"]["kv_budget"]
+    same = {"prompt": "hi", "max_tokens": 4, "steps": 2, "budget": budget, "kv_budget": budget}
+    r = client.post("/v1/completions", json=same)
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={**same, "kv_budget": budget / 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_budget", r.text
+    assert "differ" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={**same, "budget": None})  # null: not given
+    assert r.status_code == 200, r.text
+
+
 NULLABLE = ("n", "temperature", "top_p", "top_k", "min_tokens", "stop", "stop_token_ids", "seed",
             "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "stream",
             "stream_options", "threshold", "steps", "mode", "budget", "model", "logprobs",
