@@ -138,8 +138,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         metavar="F",
         help="the fraction of the GPU's memory, in (0, 1], that this server's PyTorch allocator "
         "may reserve (the weights, KV slots, CUDA graphs and activations; not the CUDA context), "
-        "applied before the model loads, so the start-up memory check runs under it (default: "
-        "the whole card)",
+        "applied before the model loads, so the start-up memory check runs under it; CUDA "
+        "devices only (default: the whole card)",
     )
     add_first_pass(s)
     add_kv_pad(s)

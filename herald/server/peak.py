@@ -125,7 +125,8 @@ def check_memory_fraction(fraction: float | None, device: torch.device | str) ->
     dev = torch.device(device)
     if dev.type != "cuda":
         raise ValueError(
-            f"{CAP_FLAG} limits GPU memory only: it needs --device cuda, not --device {dev}"
+            f"{CAP_FLAG} limits GPU memory only, and the device here is {dev}: give it with "
+            "--device cuda, on a machine with a CUDA GPU"
         )
 
 

@@ -344,7 +344,7 @@ def test_the_notes_say_why_the_throughput_columns_are_empty(extra: dict, why: st
         ),
         (
             ["--device", "cpu", "--gpu-memory-utilization", "0.5"],
-            "--gpu-memory-utilization limits GPU memory only: it needs --device cuda",
+            "--gpu-memory-utilization limits GPU memory only, and the device here is cpu",
         ),
         (
             ["--url", "http://127.0.0.1:9", "--gpu-memory-utilization", "0.5"],

@@ -366,7 +366,10 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu(monkeypatch, capsys):
     _no_model(monkeypatch)
     assert main(["serve", "--device", "cpu", "--gpu-memory-utilization", "0.5"]) == 2
     msg = user_error(capsys.readouterr().err)
-    assert "--gpu-memory-utilization limits GPU memory only" in msg and "--device cpu" in msg
+    assert "--gpu-memory-utilization limits GPU memory only, and the device here is cpu" in msg
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the default device: cpu
+    assert main(["serve", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "the device here is cpu: give it with --device cuda" in capsys.readouterr().err
 
 
 def _stand_in_gpu(monkeypatch, free_gib: float, total_gib: float) -> None:
