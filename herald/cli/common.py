@@ -237,6 +237,8 @@ def check_weights_memory(
     if mem is not None and need + kv_gib > mem[0]:
         kv = f" and {_gib(kv_gib)} of {kv_what}" if kv_gib else ""
         fix = "a smaller model, a GPU" if device.type == "cpu" else "a smaller model"
+        if dtype == torch.float32:  # every engine runs bf16 too, in half the memory
+            fix = f"--dtype bf16, {fix}"
         if kv_gib:
             fix += ", fewer --max-batch-size x --max-seq-len tokens"
         fix += ", or a higher --gpu-memory-utilization" if capped else ", or free memory"

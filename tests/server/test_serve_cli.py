@@ -222,6 +222,7 @@ def test_weights_larger_than_memory_are_refused_before_they_load(command, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the weights of code-sdar need 56.3 MiB")
     assert "more than this machine's available memory (0.0 GiB of 4.0 GiB)" in err[0]
+    assert "use --dtype bf16, a smaller model" in err[0]  # float32 weights: bf16 halves them
 
 
 def test_the_kv_check_counts_max_seq_len_as_served(monkeypatch):
