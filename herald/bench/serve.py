@@ -129,7 +129,9 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens",
         type=token_count,
         default=None,
-        help="prompt tokens prefilled per block boundary (default: herald serve's)",
+        help="herald serve's --max-prefill-tokens: prompt tokens prefilled per decode forward "
+        "of the running batch (the offloading modes admit once per block, scaled by its "
+        "forwards) (default: herald serve's)",
     )
     p.add_argument(
         "--gpu-memory-utilization",

@@ -130,7 +130,8 @@ class Scheduler:
                 queued = len(self._waiting) + (self.prefilling is not None)
                 if queued - free >= self.max_waiting:
                     raise QueueFullError(
-                        f"the waiting queue is full ({self.max_waiting} requests); retry later"
+                        f"the waiting queue is full ({self.max_waiting} "
+                        f"request{'' if self.max_waiting == 1 else 's'}); retry later"
                     )
             self._waiting.append(request)
 

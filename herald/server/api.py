@@ -72,7 +72,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == _FASTAPI_BODY_ERROR:
+            detail = "malformed JSON body (not UTF-8 text)"  # as json_invalid's message
+        return error_response(exc.status_code, detail)
 
     auth = [Depends(_auth_dependency(state))]
     _add_info_routes(app, state, auth)
@@ -80,6 +83,10 @@ def create_app(state: ServerState) -> FastAPI:
     _add_tokenizer_routes(app, state, auth)
     return app
 
+
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+"""FastAPI's 400 for a body it could not read as JSON for another reason than a JSON syntax error
+(bytes that are not UTF-8)."""
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 

@@ -470,6 +470,14 @@ def test_a_lone_surrogate_is_a_400_not_a_500(client: httpx.Client) -> None:
         assert r.json()["error"]["code"] == "invalid_unicode", route
 
 
+def test_a_body_that_is_not_utf8_is_a_malformed_json_400(client: httpx.Client) -> None:
+    headers = {"content-type": "application/json"}
+    for body in (b'{"prompt": "\xff\xfe", "max_tokens": 2}', b"{not json"):
+        r = client.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("malformed JSON body"), r.text
+
+
 def test_max_tokens_and_max_completion_tokens_together(client: httpx.Client) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     same = {"messages": msgs, "max_tokens": 4, "max_completion_tokens": 4, "steps": 2}
