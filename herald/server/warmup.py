@@ -41,7 +41,9 @@ class WarmUp:
     """What the warm-up did: ``seconds``, the batch sizes its forwards ran at, the forward shapes
     the engine had captured CUDA graphs for afterwards, the GPU memory PyTorch's allocator
     reserved meanwhile (after minus before: the graphs' pools and the blocks the warm-up's eager
-    forwards left cached) and the part of it in the graphs' private pools (0 on CPU)."""
+    forwards left cached, less what it released; negative when it released more) and what the
+    graphs' private pools hold (0 on CPU), which may be carved from memory reserved before the
+    warm-up and so exceed the growth."""
 
     seconds: float
     batch_sizes: tuple[int, ...]
@@ -57,7 +59,8 @@ class WarmUp:
         if self.graph_shapes:
             text += (
                 f", {self.graph_shapes} CUDA-graph shapes ({self.graph_pool_bytes / 2**30:.2f} "
-                f"GiB in their pools, of {self.gpu_bytes / 2**30:.2f} GiB the warm-up reserved)"
+                f"GiB in their private pools; PyTorch's reserved memory "
+                f"{self.gpu_bytes / 2**30:+.2f} GiB over the warm-up)"
             )
         return text
 

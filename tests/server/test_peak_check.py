@@ -387,10 +387,11 @@ def test_on_cuda_the_peak_is_measured_and_changes_no_reply(mode: str) -> None:
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_check_runs_under_the_cap_and_one_too_low_is_named() -> None:
-    """Under a cap the peak is PyTorch's reserved memory against it; a cap at what the engine
-    already holds runs out at the check, and the refusal names the flag. The cap holds for the
-    whole process: lifted at the end."""
+def test_on_cuda_the_check_runs_under_the_cap() -> None:
+    """Under a cap the peak is PyTorch's reserved memory against it. (A cap at what the engine
+    already holds need not fail the check: a small model's activations can fit in free blocks of
+    the allocator's segments. The refusal's wording under a cap is tested with stand-ins.) The
+    cap holds for the whole process: lifted at the end."""
     config = get_preset("tiny-llada2")
     cfg = SERVE_DEFAULTS.replace(max_batch_size=4, max_seq_len=256, max_prefill_tokens=128)
     eng = build_engine(
@@ -403,10 +404,7 @@ def test_on_cuda_the_check_runs_under_the_cap_and_one_too_low_is_named() -> None
         check = check_peak(eng, tokenizer, limit_bytes=cap)
         assert check.capped and check.total_bytes == cap and 0 < check.peak_bytes < cap
         assert "allowed by --gpu-memory-utilization" in check.describe()
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_reserved() / torch.cuda.mem_get_info()[1]
-        with pytest.raises(PeakCheckFailed, match="or raise --gpu-memory-utilization"):
-            check_peak(eng, tokenizer, limit_bytes=cap_gpu_memory(held, "cuda"))
+        assert check.run.batch == 4
         _empty(eng)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

@@ -32,8 +32,8 @@ def test_the_plan_falls_back_to_one_wave_per_size_in_a_short_context() -> None:
 def test_describe_names_the_sizes_and_the_graphs() -> None:
     w = WarmUp(12.34, (1, 2, 3, 4), 8, 3 * 2**30, 2**30)
     assert w.describe() == (
-        "12.3 s, batch sizes 1-4, 8 CUDA-graph shapes (1.00 GiB in their pools, of 3.00 GiB the "
-        "warm-up reserved)"
+        "12.3 s, batch sizes 1-4, 8 CUDA-graph shapes (1.00 GiB in their private pools; "
+        "PyTorch's reserved memory +3.00 GiB over the warm-up)"
     )
     assert WarmUp(0.5, (1,), 0, 0).describe() == "0.5 s, batch sizes 1"
 
@@ -113,7 +113,8 @@ def test_warm_up_captures_every_size_and_changes_no_reply(mode: str) -> None:
         w = warm_up_engine(warm, byte_level_tokenizer(config))
         assert w.batch_sizes == (1, 2, 3, 4)
         assert w.graph_shapes >= 4
-        assert 0 < w.graph_pool_bytes <= w.gpu_bytes
+        # the pools may be carved from blocks reserved before the warm-up: no bound by its growth
+        assert w.graph_pool_bytes > 0
         b = config.block_size
         assert all((bs, b) in warm.runner._graphs for bs in range(1, 5))
         got = [r.output_ids for r in warm.generate(_prompts(), params)]
