@@ -87,6 +87,13 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # typ
         "of memory there; it adds about one long prefill and a few blocks to the start-up",
     )
     s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic throughput line in the server's output (by default one every 10 s "
+        "while requests run: generated and prompt tokens/s, running and waiting requests; the "
+        "same figures are on /metrics)",
+    )
+    s.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -377,6 +384,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 args.model, engine, device=device, dtype=dtype, api_key=args.api_key,
                 seed=args.seed, served_model_name=args.served_model_name, limits=limits,
                 warm_up=not args.no_warmup, denoise=denoise,
+                log_stats=not args.disable_log_stats,
                 gpu_memory_utilization=args.gpu_memory_utilization,
             )  # fmt: skip
         except ValueError as e:

@@ -43,6 +43,7 @@ from herald.engine.request import Request, RequestStatus
 from herald.engine.stats import BlockTiming, EngineStats
 from herald.server.metrics import ServerMetrics
 from herald.server.peak import is_out_of_memory
+from herald.server.stats_log import StatsLine
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class EngineLoop:
         engine: the engine this thread steps from :meth:`start` on (closed by :meth:`stop`).
         max_step_failures: failed steps in a row after which the engine is declared dead.
         metrics: optional Prometheus metrics to update after each step.
+        log_stats: log the periodic throughput line (:mod:`herald.server.stats_log`).
     """
 
     def __init__(
@@ -117,8 +119,10 @@ class EngineLoop:
         *,
         max_step_failures: int = 3,
         metrics: ServerMetrics | None = None,
+        log_stats: bool = False,
     ) -> None:
         self.engine = engine
+        self._stats_line = StatsLine() if log_stats else None
         self.max_step_failures = max_step_failures
         self.metrics = metrics
         self._lock = threading.Lock()
@@ -285,10 +289,17 @@ class EngineLoop:
 
     def _observe_idle(self) -> None:
         """No step ran: the rate gauges still decay over the window."""
+        now = time.perf_counter()
+        self._log_stats(now)
         if self.metrics is not None:
-            now = time.perf_counter()
             self.metrics.tokens_per_second.set(self.generation_rate(now))
             self.metrics.prefill_tokens_per_second.set(self.prompt_rate(now))
+
+    def _log_stats(self, now: float) -> None:
+        if self._stats_line is not None:
+            eng = self.engine
+            self._stats_line.maybe_log(now, self.generation_rate(now), self.prompt_rate(now),
+                                       eng.num_running, eng.num_waiting)  # fmt: skip
 
     @staticmethod
     def _totals(st: EngineStats) -> tuple[float, ...]:
@@ -326,6 +337,7 @@ class EngineLoop:
         self._recent_prompt.append((now, prompt_tokens))
         rate = self.generation_rate(now)
         prompt_rate = self.prompt_rate(now)
+        self._log_stats(now)
         if self.metrics is None:
             return
         eng = self.engine

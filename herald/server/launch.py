@@ -57,6 +57,7 @@ def build_app(
     denoise: DenoiseDefaults = DENOISE_DEFAULTS,
     check_memory: bool | None = None,
     gpu_memory_utilization: float | None = None,
+    log_stats: bool = False,
 ) -> FastAPI:
     """Load ``model`` (checkpoint directory or preset) and return the app serving it with the
     engine ``engine`` describes (``engine.offload`` None: dense; offloading modes run bf16
@@ -75,6 +76,8 @@ def build_app(
     allocator may reserve at that fraction of the card's memory before the model loads
     (:func:`~herald.server.peak.cap_gpu_memory`), so the weights, KV, CUDA graphs, warm-up and
     memory check all run under it; the memory check measures against the cap.
+    ``log_stats``: the engine loop logs the periodic throughput line
+    (:mod:`herald.server.stats_log`; shown by :func:`serve`).
     """
     names = served_names(model, served_model_name)
     key = (api_key if api_key is not None else env.settings().api_key) or None
@@ -98,7 +101,7 @@ def build_app(
     run_check = check_memory if check_memory is not None else warm_up and eng.cuda
     peak = _check_memory(eng, tokenizer, cap) if run_check else None
     metrics = ServerMetrics()
-    loop = EngineLoop(eng, metrics=metrics)
+    loop = EngineLoop(eng, metrics=metrics, log_stats=log_stats)
     template = ChatTemplate.for_model(model, tokenizer)
     state = ServerState(loop, tokenizer, names[0], metrics, key, template, aliases=names[1:],
                         denoise=denoise)  # fmt: skip
@@ -275,6 +278,18 @@ def make_server(
     return ReadyServer(config)
 
 
+def _show_stats_lines() -> None:
+    """The engine loop's throughput lines (:mod:`herald.server.stats_log`, INFO) to stderr,
+    once per process."""
+    stats = logging.getLogger("herald.server.stats")
+    if not any(getattr(h, "_herald_stats", False) for h in stats.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s %(message)s", "%H:%M:%S"))
+        handler._herald_stats = True  # type: ignore[attr-defined]
+        stats.addHandler(handler)
+        stats.setLevel(logging.INFO)
+
+
 def _print_ready(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -288,7 +303,9 @@ def serve(
     limits: FrontLimits = FRONT_DEFAULTS,
 ) -> None:
     """Run ``app`` under uvicorn until interrupted, on ``sock`` (from :func:`reserve_port`) or a
-    socket bound to ``host:port`` now; prints :func:`banner`'s line to stderr when ready."""
+    socket bound to ``host:port`` now; prints :func:`banner`'s line to stderr when ready, and
+    the engine loop's throughput lines where the app was built with ``log_stats``."""
+    _show_stats_lines()
     sock = sock or reserve_port(host, port)
     server = make_server(app, sock, limits=limits, on_ready=_print_ready)
     try:
