@@ -290,16 +290,16 @@ class EngineLoop:
     def _observe_idle(self) -> None:
         """No step ran: the rate gauges still decay over the window."""
         now = time.perf_counter()
-        self._log_stats(now)
+        rate, prompt_rate = self.generation_rate(now), self.prompt_rate(now)
+        self._log_stats(now, rate, prompt_rate)
         if self.metrics is not None:
-            self.metrics.tokens_per_second.set(self.generation_rate(now))
-            self.metrics.prefill_tokens_per_second.set(self.prompt_rate(now))
+            self.metrics.tokens_per_second.set(rate)
+            self.metrics.prefill_tokens_per_second.set(prompt_rate)
 
-    def _log_stats(self, now: float) -> None:
+    def _log_stats(self, now: float, rate: float, prompt_rate: float) -> None:
         if self._stats_line is not None:
             eng = self.engine
-            self._stats_line.maybe_log(now, self.generation_rate(now), self.prompt_rate(now),
-                                       eng.num_running, eng.num_waiting)  # fmt: skip
+            self._stats_line.maybe_log(now, rate, prompt_rate, eng.num_running, eng.num_waiting)
 
     @staticmethod
     def _totals(st: EngineStats) -> tuple[float, ...]:
@@ -337,7 +337,7 @@ class EngineLoop:
         self._recent_prompt.append((now, prompt_tokens))
         rate = self.generation_rate(now)
         prompt_rate = self.prompt_rate(now)
-        self._log_stats(now)
+        self._log_stats(now, rate, prompt_rate)
         if self.metrics is None:
             return
         eng = self.engine

@@ -226,7 +226,7 @@ def check_peak(eng: Any, tokenizer: Any, limit_bytes: int | None = None) -> Peak
         for r in reqs:
             eng.abort(r)
         eng.scheduler.take_aborts()
-        peak = torch.cuda.max_memory_reserved(dev) + others if cuda else 0
+        peak = _peak(dev, others) if cuda else 0
         if cuda:
             torch.cuda.empty_cache()
         eng.stats = EngineStats()
@@ -235,7 +235,7 @@ def check_peak(eng: Any, tokenizer: Any, limit_bytes: int | None = None) -> Peak
             _failure(eng, plan, fillers_ran, bool(real), peak, total, e, capped=capped)
         ) from None
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_reserved(dev) + others if cuda else 0
+    peak = _peak(dev, others) if cuda else 0
     eng.stats = EngineStats()
     prompts = [len(r.prompt_ids) for r in real]
     ran = max([*prompts, *(len(r.prompt_ids) for r in reqs if r.output_ids)], default=-b) + b
@@ -256,6 +256,12 @@ def _memory_limit(dev: torch.device, limit_bytes: int | None) -> tuple[int, int,
     if limit_bytes is not None and limit_bytes < total - others:
         return 0, limit_bytes, True
     return others, total, False
+
+
+def _peak(dev: torch.device, others: int) -> int:
+    """The run's peak in bytes: PyTorch's peak reserved memory since :func:`_memory_limit`,
+    plus ``others`` (what :func:`_memory_limit` counts beside it)."""
+    return torch.cuda.max_memory_reserved(dev) + others
 
 
 def _step_rows(eng: Any) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 log = logging.getLogger("herald.server.stats")
 
 LOG_INTERVAL_SECONDS = 10.0
-"""Seconds between two lines at most once per interval."""
+"""Seconds between two lines, at least."""
 
 
 @dataclass

@@ -341,6 +341,13 @@ def test_serve_passes_its_denoising_defaults_to_the_app(flags, threshold, steps,
     assert built["denoise"] == DenoiseDefaults(threshold=threshold, steps=steps)
 
 
+@pytest.mark.parametrize("flags, on", [([], True), (["--disable-log-stats"], False)])
+def test_serve_logs_throughput_lines_unless_disabled(flags, on, monkeypatch):
+    built = _capture_build_app(monkeypatch)
+    assert main(["serve", "--model", "tiny-sdar", "--device", "cpu", "--port", "0", *flags]) == 0
+    assert built["log_stats"] is on
+
+
 def test_the_app_keeps_its_denoising_defaults_and_names_them_when_ready():
     from herald.server.defaults import SERVE_DEFAULTS, DenoiseDefaults
     from herald.server.launch import banner, build_app

@@ -1,5 +1,5 @@
 """The serving log's periodic throughput line: when it is logged (an injected clock, no
-waiting), what it says, and that ``herald serve`` turns it on unless --disable-log-stats."""
+waiting) and what it says (``herald serve --disable-log-stats``: tests/server/test_serve_cli.py)."""
 
 from __future__ import annotations
 
@@ -32,15 +32,3 @@ def test_maybe_log_logs_at_info(caplog: pytest.LogCaptureFixture) -> None:
     assert [r.getMessage() for r in caplog.records] == [
         "engine: 10.0 generated tok/s, 0.0 prompt tok/s (trailing window); 1 running, 0 waiting"
     ]
-
-
-@pytest.mark.parametrize("flags, on", [([], True), (["--disable-log-stats"], False)])
-def test_serve_turns_the_line_on_unless_disabled(flags, on, monkeypatch) -> None:
-    from herald.cli import main
-    from herald.server import launch
-
-    built: dict[str, object] = {}
-    monkeypatch.setattr(launch, "build_app", lambda *a, **k: built.update(k) or object())
-    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: None)
-    assert main(["serve", "--model", "tiny-sdar", "--device", "cpu", "--port", "0", *flags]) == 0
-    assert built["log_stats"] is on
